@@ -1,0 +1,227 @@
+"""The quantization engine: fuse, insert Q/DQ, calibrate, tie shared scales, fine-tune (QAT).
+
+Public surface::
+
+    qmodel = prepare(fp_model, method="mse", skip=["22"])      # fused copy with Q/DQ placed
+    calibrate(qmodel, batches, method="mse")                  # amax for every enabled quantizer
+    finetune(qmodel, teacher, batches, epochs=..., ...)       # layer-wise distillation
+
+The rules of where Q/DQ go and which scales are shared live in ``models/quantize_rules.py``.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+import torch
+import torch.nn as nn
+
+import modelopt.torch.quantization as mtq
+from modelopt.torch.quantization.calib import HistogramCalibrator
+from modelopt.torch.quantization.nn import TensorQuantizer
+
+from models import quantize_rules as rules
+from utils.qat.errors import QATError
+from utils.qat.progress import progress
+
+CALIB_METHODS = ("max", "percentile", "mse", "entropy")
+DEFAULT_CALIB_METHOD = "mse"
+DEFAULT_PERCENTILE = 99.99
+
+
+@dataclass
+class QuantInfo:
+    """What a quantized model was made with; travels in its checkpoint."""
+    calib_method: str = DEFAULT_CALIB_METHOD
+    percentile: float = DEFAULT_PERCENTILE
+    skip: list[str] = field(default_factory=list)  # user's --skip-layers items
+    fp_patterns: list[str] = field(default_factory=list)  # module-name patterns kept in FP
+    scale_groups: list[list[str]] = field(default_factory=list)
+
+
+def fuse(model: nn.Module) -> nn.Module:
+    """Fold BatchNorm into convs and RepConvN branches into one conv, keeping every parameter trainable.
+
+    Upstream's ``fuse()`` runs with autograd on and marks the fused RepConvN conv frozen; QAT needs
+    leaf tensors that all receive gradients, so fusion runs under ``no_grad`` and grads are re-enabled.
+    """
+    from models.common import DFL, Conv, RepConvN
+    from utils.torch_utils import fuse_conv_and_bn
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, RepConvN) and hasattr(m, "conv1"):
+                m.fuse_convs()
+                m.forward = m.forward_fuse
+            if isinstance(m, Conv) and hasattr(m, "bn"):
+                m.conv = fuse_conv_and_bn(m.conv, m.bn)
+                delattr(m, "bn")
+                m.forward = m.forward_fuse
+    frozen = {id(p) for m in model.modules() if isinstance(m, DFL) for p in m.parameters()}  # fixed decode weights
+    for p in model.parameters():
+        p.requires_grad_(id(p) not in frozen)
+    return model
+
+
+def is_quantized(model: nn.Module) -> bool:
+    return any(isinstance(m, TensorQuantizer) for m in model.modules())
+
+
+def prepare(model: nn.Module, method: str = DEFAULT_CALIB_METHOD, skip: Sequence[str | int] = ()) -> tuple[nn.Module, QuantInfo]:
+    """Return a fused, float32 copy of ``model`` with INT8 quantizers placed (not yet calibrated)."""
+    if method not in CALIB_METHODS:
+        raise QATError(f"unknown calibration method '{method}'; choose one of {', '.join(CALIB_METHODS)}.")
+    if is_quantized(model):
+        raise QATError("this model is already quantized; start from the floating-point checkpoint.")
+    model = fuse(copy.deepcopy(model).float())
+    patterns = rules.fp_patterns(model, skip)
+    config = rules.int8_config(patterns)
+    if method != "max":
+        for entry in config["quant_cfg"]:
+            if entry["quantizer_name"] == "*input_quantizer":
+                entry["cfg"]["calibrator"] = "histogram"
+    rules.register_yolov9_modules()
+    model = mtq.quantize(model, config, forward_loop=None)
+    return model, QuantInfo(calib_method=method, skip=[str(s) for s in skip], fp_patterns=patterns)
+
+
+def _enabled_quantizers(model: nn.Module) -> list[TensorQuantizer]:
+    return [m for m in model.modules() if isinstance(m, TensorQuantizer) and m.is_enabled]
+
+
+@torch.no_grad()
+def calibrate(model: nn.Module, batches: Iterable[torch.Tensor], info: QuantInfo, example: torch.Tensor,
+              num_batches: int | None = None) -> QuantInfo:
+    """Collect statistics over ``batches`` (images as float tensors on the model's device), set amax on
+    every enabled quantizer with ``info.calib_method``, then give each shared-scale group one amax.
+
+    modelopt 0.47's own histogram path calls ``compute_amax()`` without the method and computes each
+    histogram amax twice; calibration is driven here instead: one pass, one ``compute_amax`` per quantizer.
+    """
+    quantizers = _enabled_quantizers(model)
+    training = model.training
+    model.eval()
+    for q in quantizers:
+        q.disable_quant()
+        q.enable_calib()
+    seen = 0
+    try:
+        for images in progress(batches, total=num_batches, desc=f"calibrating ({info.calib_method})"):
+            model(images)
+            seen += 1
+            if num_batches is not None and seen >= num_batches:
+                break
+        if seen == 0:
+            raise QATError("no calibration images were read; check the 'train' entry of the dataset yaml.")
+        for q in progress(quantizers, desc="computing amax", leave=False):
+            if isinstance(q._calibrator, HistogramCalibrator):
+                kwargs = {"percentile": info.percentile} if info.calib_method == "percentile" else {}
+                q.load_calib_amax(info.calib_method, **kwargs)
+            else:
+                q.load_calib_amax()
+    finally:
+        for q in quantizers:
+            q.disable_calib()
+            q.enable_quant()
+        model.train(training)
+    info.scale_groups = rules.scale_groups(model, example)
+    rules.tie_scales(model, info.scale_groups)
+    return info
+
+
+# ---- QAT: layer-wise distillation against the frozen FP model ---------------------------------
+
+def supervised_layers(model: nn.Module, stride: int) -> list[int]:
+    """Indices of ``model.model`` whose outputs are matched: every ``stride``-th block plus the last."""
+    n = len(model.model)
+    stride = max(1, int(stride))
+    return sorted(set(range(0, n, stride)) | {n - 1})
+
+
+class _Taps:
+    """Captures the outputs of chosen layers during a forward pass."""
+
+    def __init__(self, model: nn.Module, indices: Sequence[int]):
+        self.outputs: dict[int, list[torch.Tensor]] = {}
+        self.hooks = [model.model[i].register_forward_hook(self._hook(i)) for i in indices]
+
+    def _hook(self, i):
+        def hook(module, args, output):
+            self.outputs[i] = rules._tensors(output)
+        return hook
+
+    def close(self):
+        for h in self.hooks:
+            h.remove()
+
+
+@dataclass
+class EpochResult:
+    epoch: int
+    loss: float
+    seconds: float
+
+
+def finetune(model: nn.Module, teacher: nn.Module, batches: Callable[[], Iterable[torch.Tensor]], *,
+             epochs: int = 10, iters: int = 200, lr: float = 1e-5, supervision_stride: int = 1,
+             device: torch.device | str = "cpu", amp: bool | None = None,
+             on_epoch_end: Callable[[EpochResult], None] | None = None) -> list[EpochResult]:
+    """Fine-tune the fake-quantized ``model`` so its supervised layer outputs match ``teacher``'s (MSE).
+
+    ``batches()`` returns a fresh iterable of image tensors per epoch; at most ``iters`` are used per
+    epoch. Adam with a cosine schedule from ``lr`` down to ``lr / 100``; AMP on CUDA by default.
+    ``on_epoch_end`` is called after every epoch (evaluate, save).
+    """
+    device = torch.device(device)
+    amp = device.type == "cuda" if amp is None else amp
+    teacher = teacher.to(device).eval()
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    model.to(device)
+    indices = supervised_layers(model, supervision_stride)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.Adam(params, lr=lr)
+    total = max(1, epochs * iters)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: 0.01 + 0.99 * 0.5 * (1 + math.cos(math.pi * min(step, total) / total)))
+    scaler = torch.amp.GradScaler(device.type, enabled=amp)
+    autocast = (lambda: torch.autocast(device.type, dtype=torch.float16)) if amp else contextlib.nullcontext
+    results = []
+    student_taps, teacher_taps = _Taps(model, indices), _Taps(teacher, indices)
+    try:
+        for epoch in range(epochs):
+            model.eval()  # BN is folded; eval keeps the head's output layout equal to the teacher's
+            start, running, steps = time.time(), 0.0, 0
+            bar = progress(batches(), total=iters, desc=f"QAT epoch {epoch + 1}/{epochs}")
+            for images in bar:
+                images = images.to(device, non_blocking=True)
+                with torch.no_grad(), autocast():
+                    teacher(images)
+                with autocast():
+                    model(images)
+                    loss = sum(torch.nn.functional.mse_loss(s.float(), t.float())
+                               for i in indices
+                               for s, t in zip(student_taps.outputs[i], teacher_taps.outputs[i]))
+                optimizer.zero_grad(set_to_none=True)
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+                schedule.step()
+                running += float(loss.detach())
+                steps += 1
+                bar.set_postfix(loss=f"{running / steps:.5f}")
+                if steps >= iters:
+                    break
+            result = EpochResult(epoch, running / max(steps, 1), time.time() - start)
+            results.append(result)
+            if on_epoch_end is not None:
+                model.eval()
+                on_epoch_end(result)
+    finally:
+        student_taps.close()
+        teacher_taps.close()
+    model.eval()
+    return results

@@ -1,0 +1,278 @@
+"""Quantization-aware training for YOLOv9 (INT8, TensorRT-ready).
+
+    python3 qat.py quantize  --weights yolov9-c-converted.pt --data data/coco.yaml --hyp data/hyps/hyp.scratch-high.yaml
+    python3 qat.py sensitive --weights yolov9-c-converted.pt --data data/coco.yaml --num-image 1000
+    python3 qat.py eval      --weights runs/qat/exp/weights/qat_best_yolov9-c-converted.pt --data data/coco.yaml
+"""
+from __future__ import annotations
+
+from utils.qat import compat
+
+compat.apply()
+
+import argparse  # noqa: E402
+import shutil  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+from utils.qat import checkpoint, reports  # noqa: E402
+from utils.qat.backends import TorchBackend  # noqa: E402
+from utils.qat.data import check_imgsz, dataloader, images_only, load_data_yaml, load_hyp  # noqa: E402
+from utils.qat.device import select_device  # noqa: E402
+from utils.qat.errors import QATError, run_cli  # noqa: E402
+from utils.qat.evaluate import evaluate  # noqa: E402
+
+
+def _common(p: argparse.ArgumentParser, project: str) -> None:
+    p.add_argument("--weights", required=True, help="model checkpoint (.pt)")
+    p.add_argument("--data", required=True, help="dataset yaml")
+    p.add_argument("--device", default="", help="cpu, 0 or cuda:0 (default: first GPU, else CPU)")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--imgsz", "--img", "--img-size", dest="imgsz", type=int, default=640, help="inference size (pixels)")
+    p.add_argument("--workers", type=int, default=8, help="dataloader workers")
+    p.add_argument("--project", default=project)
+    p.add_argument("--name", default="exp")
+    p.add_argument("--exist-ok", action="store_true", help="reuse project/name instead of incrementing it")
+
+
+def _calibration(p: argparse.ArgumentParser) -> None:
+    from models.quantize import CALIB_METHODS, DEFAULT_CALIB_METHOD, DEFAULT_PERCENTILE
+    p.add_argument("--calib-method", choices=CALIB_METHODS, default=DEFAULT_CALIB_METHOD,
+                   help="activation calibration (weights are always per-channel max)")
+    p.add_argument("--percentile", type=float, default=DEFAULT_PERCENTILE, help="for --calib-method percentile")
+    p.add_argument("--calib-batches", type=int, default=25, help="training-set batches used for calibration")
+    p.add_argument("--hyp", default=None, help="hyperparameter yaml for QAT-time augmentation")
+    p.add_argument("--seed", type=int, default=57)
+
+
+def get_args_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="qat.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    q = sub.add_parser("quantize", help="PTQ calibration, then QAT fine-tuning; evaluates and saves each stage")
+    _common(q, "runs/qat")
+    _calibration(q)
+    q.add_argument("--iters", type=int, default=200, help="QAT batches per epoch")
+    q.add_argument("--epochs", type=int, default=10, help="QAT epochs")
+    q.add_argument("--lr", type=float, default=1e-5, help="QAT learning rate (Adam, cosine decay)")
+    q.add_argument("--supervision-stride", type=int, default=1, help="distil every N-th layer's output (plus the last)")
+    q.add_argument("--skip-layers", default="", help="keep in FP: layer indices and/or module patterns, comma separated")
+    q.add_argument("--no-eval-origin", action="store_true", help="do not evaluate the FP model")
+    q.add_argument("--no-eval-ptq", action="store_true", help="do not evaluate the calibrated (PTQ) model")
+    q.add_argument("--ptq-only", action="store_true", help="stop after calibration (no fine-tuning)")
+    q.add_argument("--conf-thres", type=float, default=0.001)
+    q.add_argument("--iou-thres", type=float, default=0.7)
+
+    s = sub.add_parser("sensitive", help="per-layer sensitivity: AP with each layer kept in FP")
+    _common(s, "runs/qat_sensitive")
+    _calibration(s)
+    s.add_argument("--num-image", type=int, default=None, help="evaluate on the first N validation images")
+    s.add_argument("--top", type=int, default=10, help="layers shown in the table and the suggested skip list")
+
+    e = sub.add_parser("eval", help="evaluate a quantized checkpoint (or an FP one with --allow-fp)")
+    _common(e, "runs/qat_eval")
+    e.add_argument("--conf-thres", type=float, default=0.001)
+    e.add_argument("--iou-thres", type=float, default=0.7)
+    e.add_argument("--allow-fp", action="store_true", help="also accept floating-point checkpoints")
+    e.add_argument("--num-image", type=int, default=None, help="evaluate on the first N validation images")
+    e.add_argument("--save-json", action="store_true", help="also save COCO-style predictions JSON")
+    return parser
+
+
+def run_dir(args) -> Path:
+    from utils.general import increment_path
+    path = Path(increment_path(Path(args.project) / args.name, exist_ok=args.exist_ok))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _score(backend, data, args, desc: str, num_images: int | None = None):
+    start = time.time()
+    m = evaluate(backend, data, imgsz=args.imgsz, batch_size=args.batch_size, conf_thres=getattr(args, "conf_thres", 0.001),
+                 iou_thres=getattr(args, "iou_thres", 0.7), workers=args.workers, num_images=num_images, desc=desc)
+    return m, time.time() - start
+
+
+def _print_table(rows: list[dict]) -> None:
+    print()
+    print(reports.table(rows))
+    diff = reports.deltas(rows)
+    if diff:
+        print()
+        print(reports.table(diff, first="Comparison"))
+
+
+def _calibrated(fp_model, data, args, device, skip=()):
+    """PTQ: prepare + calibrate on the training split. Returns (model, info)."""
+    from models.quantize import calibrate, prepare
+    qmodel, info = prepare(fp_model, method=args.calib_method, skip=skip)
+    info.percentile = args.percentile
+    qmodel.to(device)
+    loader, _ = dataloader(data, "train", args.imgsz, args.batch_size, int(fp_model.stride.max()), workers=args.workers,
+                           rect=False, prefix="calibration: ")
+    example = next(iter(images_only(loader, device, limit=1)))[:1]
+    calibrate(qmodel, images_only(loader, device), info, example=example,
+              num_batches=min(args.calib_batches, len(loader)))
+    qmodel.names = fp_model.names
+    return qmodel, info
+
+
+def cmd_quantize(args) -> Path:
+    from models.quantize import finetune
+    from utils.general import init_seeds
+    device = select_device(args.device)
+    fp = checkpoint.load_fp(args.weights)
+    data = load_data_yaml(args.data, splits=("train", "val"))
+    hyp = load_hyp(args.hyp)
+    stride = int(fp.stride.max())
+    args.imgsz = check_imgsz(args.imgsz, stride)
+    init_seeds(args.seed)
+    skip = [s for s in args.skip_layers.split(",") if s.strip()]
+    out = run_dir(args)
+    wdir = out / "weights"
+    wdir.mkdir(exist_ok=True)
+    stem = Path(args.weights).stem
+    rows, epochs = [], []
+    title = f"yolov9-qat: {Path(args.weights).name} on {Path(args.data).name} at {args.imgsz}px"
+
+    def save_report():
+        reports.write_report(out, rows, epochs, title)
+
+    if not args.no_eval_origin:
+        m, sec = _score(TorchBackend(fp, device), data, args, "Origin")
+        rows.append(reports.entry("Origin", args.weights, m, sec))
+        save_report()
+
+    qmodel, info = _calibrated(fp, data, args, device, skip)
+    ptq_ap = None
+    if not args.no_eval_ptq:
+        m, sec = _score(TorchBackend(qmodel, device), data, args, "PTQ")
+        ptq_ap = m.mAP50_95
+        ptq_path = wdir / f"ptq_ap_{ptq_ap:.4f}_{stem}.pt"
+        rows.append(reports.entry("PTQ", ptq_path, m, sec, calib_method=info.calib_method))
+    else:
+        ptq_path = wdir / f"ptq_{stem}.pt"
+    checkpoint.save_quantized(ptq_path, qmodel, info, epoch=0, metrics=rows[-1] if ptq_ap is not None else None)
+    save_report()
+    print(f"PTQ model saved to {ptq_path}")
+
+    if not args.ptq_only:
+        best_path = wdir / f"qat_best_{stem}.pt"
+        best = {"AP": ptq_ap, "epoch": 0, "row": None}
+        if ptq_ap is not None:
+            shutil.copyfile(ptq_path, best_path)  # the starting point counts: fine-tuning must beat it
+
+        loader, _ = dataloader(data, "train", args.imgsz, args.batch_size, stride, workers=args.workers,
+                               rect=False, shuffle=True, hyp=hyp, prefix="QAT: ")
+        teacher = checkpoint.load_fp(args.weights)
+        from models.quantize import fuse
+        teacher = fuse(teacher)
+
+        def on_epoch_end(result):
+            epoch = result.epoch + 1
+            m, sec = _score(TorchBackend(qmodel, device), data, args, f"QAT epoch {epoch}")
+            path = wdir / f"qat_ep_{epoch}_ap_{m.mAP50_95:.4f}_{stem}.pt"
+            row = reports.entry(f"QAT epoch {epoch}", path, m, sec)
+            checkpoint.save_quantized(path, qmodel, info, epoch=epoch, metrics=row)
+            epochs.append({"epoch": epoch, "AP": row["AP"], "AP50": row["AP50"], "loss": result.loss,
+                           "train_seconds": round(result.seconds, 1), "weights": str(path)})
+            if best["AP"] is None or m.mAP50_95 > best["AP"]:
+                best.update(AP=m.mAP50_95, epoch=epoch, row=row)
+                shutil.copyfile(path, best_path.with_suffix(".pt.part"))
+                best_path.with_suffix(".pt.part").replace(best_path)
+            save_report()
+
+        finetune(qmodel, teacher, lambda: images_only(loader, device), epochs=args.epochs, iters=args.iters,
+                 lr=args.lr, supervision_stride=args.supervision_stride, device=device, on_epoch_end=on_epoch_end)
+        if best["row"] is not None:
+            rows.append({**best["row"], "name": "QAT", "weights": str(best_path), "epoch": best["epoch"]})
+        elif ptq_ap is not None:
+            ptq_row = next(r for r in rows if r["name"] == "PTQ")
+            rows.append({**ptq_row, "name": "QAT", "weights": str(best_path), "epoch": 0,
+                         "note": "no fine-tuning epoch beat the calibrated model; qat_best is the PTQ model"})
+        save_report()
+        print(f"best QAT model (epoch {best['epoch']}) saved to {best_path}")
+    _print_table(rows)
+    print(f"\nresults in {out}: report.md, report.json{', qat_ap.png' if epochs else ''}, weights/")
+    return out
+
+
+def cmd_sensitive(args) -> Path:
+    import json
+
+    from models.quantize_rules import input_quantizers
+    from utils.qat.atomic import write_text
+    from modelopt.torch.quantization.nn import TensorQuantizer
+    device = select_device(args.device)
+    fp = checkpoint.load_fp(args.weights)
+    data = load_data_yaml(args.data, splits=("train", "val"))
+    args.imgsz = check_imgsz(args.imgsz, int(fp.stride.max()))
+    out = run_dir(args)
+    qmodel, info = _calibrated(fp, data, args, device)
+    backend = TorchBackend(qmodel, device)
+    base, _ = _score(backend, data, args, "all layers INT8", args.num_image)
+    layers = []
+    for i, layer in enumerate(qmodel.model):
+        qs = [q for q in layer.modules() if isinstance(q, TensorQuantizer) and q.is_enabled]
+        if not qs:
+            continue
+        for q in qs:
+            q.disable()
+        m, _ = _score(backend, data, args, f"layer {i} in FP", args.num_image)
+        for q in qs:
+            q.enable()
+        layers.append({"layer": i, "module": type(layer).__name__.removeprefix("Quant"), "AP": round(m.mAP50_95, 4),
+                       "AP50": round(m.mAP50, 4), "gain": round(m.mAP50_95 - base.mAP50_95, 4)})
+    layers.sort(key=lambda r: r["AP"], reverse=True)
+    top = layers[:args.top]
+    skip = ",".join(str(r["layer"]) for r in top if r["gain"] > 0)
+    summary = {"weights": args.weights, "calib_method": info.calib_method, "num_image": base.images,
+               "ptq_AP": round(base.mAP50_95, 4), "layers": layers, "suggested_skip_layers": skip}
+    write_text(out / "summary-sensitive-analysis.json", json.dumps(summary, indent=2))
+    reports.plot_sensitivity(out / "sensitivity.png", layers, base.mAP50_95)
+    print(f"\nAll layers INT8 (PTQ): mAP50-95 {base.mAP50_95:.4f} on {base.images} images. "
+          f"Top {len(top)} layers whose FP version helps most:")
+    print(reports.table([{"name": str(r["layer"]), **r} for r in top], columns=("module", "AP", "AP50", "gain"),
+                        first="Layer"))
+    print(f"\nsuggested: qat.py quantize ... --skip-layers {skip or '(none: no layer gains from FP)'}")
+    print(f"results in {out}: summary-sensitive-analysis.json, sensitivity.png")
+    return out
+
+
+def cmd_eval(args) -> Path:
+    import json
+
+    from utils.qat.atomic import write_text
+    device = select_device(args.device)
+    ckpt = checkpoint.read(args.weights)
+    if checkpoint.is_quantized(ckpt):
+        model, info, _ = checkpoint.load_quantized(args.weights)
+        kind = f"INT8 ({info.calib_method})"
+    elif args.allow_fp:
+        model, kind = checkpoint.load_fp(args.weights), "FP"
+    else:
+        raise QATError(f"{args.weights} is a floating-point checkpoint; pass --allow-fp to evaluate it, "
+                       "or give a quantized checkpoint from `qat.py quantize`.")
+    data = load_data_yaml(args.data, splits=("val",))
+    args.imgsz = check_imgsz(args.imgsz, int(model.stride.max()))
+    out = run_dir(args)
+    start = time.time()
+    m = evaluate(TorchBackend(model, device), data, imgsz=args.imgsz, batch_size=args.batch_size,
+                 conf_thres=args.conf_thres, iou_thres=args.iou_thres, workers=args.workers,
+                 num_images=args.num_image, save_json=out / "predictions.json" if args.save_json else None,
+                 desc=f"eval {kind}")
+    row = reports.entry(Path(args.weights).stem, args.weights, m, time.time() - start, kind=kind)
+    write_text(out / "results.json", json.dumps({**row, "per_class": m.per_class}, indent=2))
+    _print_table([row])
+    print(f"\nresults in {out}/results.json")
+    return out
+
+
+def main(args) -> Path:
+    return {"quantize": cmd_quantize, "sensitive": cmd_sensitive, "eval": cmd_eval}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    run_cli(lambda: main(get_args_parser().parse_args()))

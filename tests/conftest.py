@@ -1,0 +1,111 @@
+"""Test harness: a freshly patched copy of the YOLOv9 tree per session, real data, small subsets.
+
+The tree comes from ``YOLOV9_DIR``; without it the harness clones upstream (network permitting)
+and otherwise stops the run with a message saying how to provide one. Data and the reference
+model come from ``YOLOV9_QAT_SHARED`` (default: ``../shared`` beside the repository).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("YOLOV9_QAT_SHARED", REPO.parent / "shared")).resolve()
+UPSTREAM_URL = "https://github.com/WongKinYiu/yolov9.git"
+
+
+def _source_tree(tmp_root: Path) -> Path:
+    env = os.environ.get("YOLOV9_DIR")
+    if env:
+        src = Path(env).resolve()
+        if not (src / "models" / "yolo.py").is_file():
+            pytest.exit(f"YOLOV9_DIR={src} is not a YOLOv9 tree (no models/yolo.py); point it at a clone.", 2)
+        return src
+    dest = tmp_root / "yolov9-clone"
+    try:
+        subprocess.run(["git", "clone", "--depth", "1", "-q", UPSTREAM_URL, str(dest)], check=True, timeout=120,
+                       capture_output=True)
+    except (subprocess.SubprocessError, OSError):
+        pytest.exit("YOLOV9_DIR is not set and cloning github.com/WongKinYiu/yolov9 failed: "
+                    "set YOLOV9_DIR to a YOLOv9 clone (or run .ci/run, which builds one).", 2)
+    return dest
+
+
+@pytest.fixture(scope="session")
+def yolov9_tree(tmp_path_factory) -> Path:
+    """A patched copy of the YOLOv9 tree, on sys.path, with the compat shims applied."""
+    root = tmp_path_factory.mktemp("tree")
+    src = _source_tree(root)
+    tree = root / "yolov9"
+    shutil.copytree(src, tree, symlinks=True, ignore=shutil.ignore_patterns(".git", "__pycache__"))
+    subprocess.run(["bash", str(REPO / "patch_yolov9.sh"), str(tree)], check=True, capture_output=True)
+    sys.path.insert(0, str(tree))
+    from utils.qat import compat
+    compat.apply(tree)
+    return tree
+
+
+def tree_has(tree: Path, symbol: str) -> bool:
+    return f"class {symbol}(" in (tree / "models" / "common.py").read_text()
+
+
+@pytest.fixture(scope="session")
+def shared() -> Path:
+    if not (SHARED / "datasets" / "coco334").is_dir():
+        pytest.exit(f"test data not found at {SHARED}: set YOLOV9_QAT_SHARED to the shared/ folder.", 2)
+    return SHARED
+
+
+@pytest.fixture(scope="session")
+def gelan_c(shared) -> Path:
+    return shared / "weights" / "gelan-c-coco334.pt"
+
+
+def make_subset(src_images: Path, dest: Path, n: int) -> Path:
+    """Link the first ``n`` images (sorted) of a YOLO dataset split and their labels into ``dest``."""
+    images = sorted(p for p in src_images.iterdir() if p.suffix.lower() in {".jpg", ".jpeg", ".png"})[:n]
+    img_dir = dest / "images" / src_images.name
+    lbl_dir = dest / "labels" / src_images.name
+    img_dir.mkdir(parents=True, exist_ok=True)
+    lbl_dir.mkdir(parents=True, exist_ok=True)
+    labels = src_images.parent.parent / "labels" / src_images.name
+    for p in images:
+        (img_dir / p.name).symlink_to(p)
+        lab = labels / (p.stem + ".txt")
+        if lab.exists():
+            (lbl_dir / lab.name).symlink_to(lab)
+    return img_dir
+
+
+def write_data_yaml(path: Path, train: Path, val: Path, names: list[str]) -> Path:
+    import yaml
+    path.write_text(yaml.safe_dump({"train": str(train), "val": str(val), "nc": len(names),
+                                    "names": dict(enumerate(names))}, sort_keys=False))
+    return path
+
+
+@pytest.fixture(scope="session")
+def coco_names(shared) -> list[str]:
+    import yaml
+    return list(yaml.safe_load((shared / "datasets" / "coco334.yaml").read_text())["names"].values())
+
+
+@pytest.fixture(scope="session")
+def small_data(tmp_path_factory, shared, coco_names) -> Path:
+    """Data yaml: 8 coco369 train photos, 8 coco334 val photos (real COCO, real labels)."""
+    root = tmp_path_factory.mktemp("data")
+    train = make_subset(shared / "datasets" / "coco369" / "images" / "train2017", root / "coco369", 8)
+    val = make_subset(shared / "datasets" / "coco334" / "images" / "val2017", root / "coco334", 8)
+    return write_data_yaml(root / "small.yaml", train, val, coco_names)
+
+
+def run_tool(tree: Path, *args: str, timeout: int = 900, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run ``python3 <args>`` inside the patched tree, the way users run the CLIs."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.run([sys.executable, *args], cwd=tree, capture_output=True, text=True, timeout=timeout,
+                          env=full_env)

@@ -1,0 +1,105 @@
+"""Prediction backends for the shared evaluator: PyTorch (FP or fake-quant) and ONNX Runtime.
+
+A backend is a callable ``backend(images) -> raw head output`` where ``images`` is float32 B x 3 x H x W
+in [0, 1] on ``backend.device``. It returns the detection head's inference output ``(B, 4 + nc, A)``
+(xywh boxes in input pixels, class scores), for segmentation ``(pred, protos)``, or for End2End graphs
+a dict with ``num_dets``, ``det_boxes``, ``det_scores``, ``det_classes`` (and ``det_masks``).
+The TensorRT backend lives in ``utils/qat/trt_engine.py``.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from utils.qat.errors import QATError
+
+END2END_OUTPUTS = ("num_dets", "det_boxes", "det_scores", "det_classes")
+
+
+class TorchBackend:
+    def __init__(self, model: nn.Module, device: torch.device, half: bool = False, task: str = "detect"):
+        self.model = model.to(device).eval()
+        self.device = device
+        self.fp16 = half and device.type == "cuda"
+        if self.fp16:
+            self.model.half()
+        self.stride = int(model.stride.max())
+        self.names = dict(model.names)
+        self.batch_size = None
+        self.imgsz = None
+        self.end2end = False
+        self.task = task
+
+    @torch.no_grad()
+    def __call__(self, images: torch.Tensor):
+        out = self.model(images.half() if self.fp16 else images)
+        return main_output(out, self.task)
+
+
+def main_output(out, task: str = "detect"):
+    """The inference tensor(s) of a YOLOv9 head in eval mode, main branch for dual heads."""
+    if isinstance(out, (tuple, list)) and task == "segment":
+        # Segment head: ((pred, protos), train_out) or (pred, protos) in export mode
+        head = out[0] if isinstance(out[0], (tuple, list)) and len(out) == 2 and not torch.is_tensor(out[0]) else out
+        pred, protos = head[0], head[-1]
+        if isinstance(pred, (tuple, list)):
+            pred = pred[-1]
+        return pred, protos
+    if isinstance(out, (tuple, list)):
+        out = out[0]
+    if isinstance(out, (tuple, list)):  # DualDDetect: [aux, main]
+        out = out[-1]
+    return out
+
+
+class ORTBackend:
+    """Runs an exported ONNX graph (plain or End2End) with ONNX Runtime."""
+
+    def __init__(self, onnx_path: str | Path, device: torch.device | str = "cpu"):
+        import onnxruntime as ort
+        onnx_path = Path(onnx_path)
+        if not onnx_path.is_file():
+            raise QATError(f"ONNX file not found: {onnx_path}; export one with export_qat.py first.")
+        device = torch.device(device)
+        providers = ["CPUExecutionProvider"]
+        if device.type == "cuda":
+            if "CUDAExecutionProvider" not in ort.get_available_providers():
+                raise QATError("onnxruntime here has no CUDA provider; use --device cpu or install onnxruntime-gpu.")
+            providers.insert(0, ("CUDAExecutionProvider", {"device_id": device.index or 0}))
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
+        self.session = ort.InferenceSession(str(onnx_path), opts, providers=providers)
+        self.device = torch.device("cpu")  # images are handed over as numpy
+        inp = self.session.get_inputs()[0]
+        self.input_name = inp.name
+        self.fp16 = inp.type == "tensor(float16)"
+        b, _, h, w = inp.shape
+        self.batch_size = b if isinstance(b, int) else None
+        self.imgsz = (h, w) if isinstance(h, int) and isinstance(w, int) else None
+        self.output_names = [o.name for o in self.session.get_outputs()]
+        self.end2end = set(END2END_OUTPUTS) <= set(self.output_names)
+        meta = self.session.get_modelmeta().custom_metadata_map
+        self.stride = int(meta.get("stride", 32))
+        self.names = {int(k): v for k, v in json.loads(meta["names"]).items()} if "names" in meta else None
+        self.task = meta.get("task", "segment" if "output1" in self.output_names or "det_masks" in self.output_names else "detect")
+
+    def __call__(self, images: torch.Tensor):
+        x = images.detach().cpu().numpy().astype(np.float16 if self.fp16 else np.float32)
+        n = x.shape[0]
+        if self.batch_size is not None and n != self.batch_size:
+            if n > self.batch_size:
+                raise QATError(f"the ONNX graph has a fixed batch of {self.batch_size}; use --batch-size "
+                               f"{self.batch_size} or export with --dynamic.")
+            x = np.concatenate([x, np.zeros((self.batch_size - n, *x.shape[1:]), x.dtype)])
+        outs = [torch.from_numpy(np.asarray(o))[:n] for o in self.session.run(None, {self.input_name: x})]
+        outs = [o.float() if o.is_floating_point() else o for o in outs]
+        named = dict(zip(self.output_names, outs))
+        if self.end2end:
+            return named
+        if self.task == "segment":
+            return named.get("output0", outs[0]), named.get("output1", outs[-1])
+        return named.get("output0", outs[0])

@@ -1,0 +1,129 @@
+"""Reading FP checkpoints (upstream format) and writing/reading quantized ones.
+
+A quantized model cannot be pickled whole (modelopt's dynamic modules), so its checkpoint carries
+what is needed to rebuild it in a fresh process with nothing but the patched tree: the model yaml,
+class names, stride, modelopt state, state dict, the layers kept in FP, the calibration settings,
+the shared-scale groups and the toolkit version.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from utils.qat import __version__
+from utils.qat.atomic import atomic_path
+from utils.qat.compat import trust_checkpoint
+from utils.qat.errors import QATError
+
+FORMAT = "yolov9-qat"
+TASKS = {"DetectionModel": "detect", "SegmentationModel": "segment", "ClassificationModel": "classify"}
+
+
+def read(path: str | os.PathLike) -> dict:
+    """Load a checkpoint file the user named, with a clear error for missing or foreign files."""
+    path = Path(path)
+    if not path.is_file():
+        raise QATError(f"weights file not found: {path}; pass the path of a .pt checkpoint.")
+    trust_checkpoint(path)
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # pickle, zip and torch errors all mean the same thing to the user
+        raise QATError(f"{path} is not a PyTorch checkpoint ({type(e).__name__}); pass a YOLOv9 .pt file.") from e
+    if not isinstance(ckpt, dict) or not (ckpt.get("format") == FORMAT or isinstance(ckpt.get("ema") or ckpt.get("model"), nn.Module)):
+        raise QATError(f"{path} is not a YOLOv9 checkpoint (no 'model' inside); pass a YOLOv9 .pt file.")
+    return ckpt
+
+
+def is_quantized(ckpt: dict) -> bool:
+    return ckpt.get("format") == FORMAT
+
+
+def task_of(ckpt: dict) -> str:
+    if is_quantized(ckpt):
+        return ckpt.get("task", "detect")
+    model = ckpt.get("ema") or ckpt["model"]
+    return TASKS.get(type(model).__name__, "detect" if hasattr(model, "stride") else "unknown")
+
+
+def check_task(ckpt: dict, path, task: str) -> None:
+    have = task_of(ckpt)
+    if have == task:
+        return
+    hint = {"segment": "use segment/qat_seg.py for segmentation models",
+            "detect": "use qat.py for detection models",
+            "classify": "classification models are not supported by yolov9-qat"}.get(have, "pass a detection model")
+    raise QATError(f"{path} holds a {have} model but this command needs a {task} model; {hint}.")
+
+
+def load_fp(path: str | os.PathLike, task: str = "detect") -> nn.Module:
+    """The FP model of an upstream checkpoint (EMA weights when present), float32, eval mode."""
+    ckpt = read(path)
+    if is_quantized(ckpt):
+        raise QATError(f"{path} is a quantized (yolov9-qat) checkpoint but this step needs the floating-point "
+                       "model; pass the original weights (e.g. yolov9-c-converted.pt).")
+    check_task(ckpt, path, task)
+    model = (ckpt.get("ema") or ckpt["model"]).float().eval()
+    if not hasattr(model, "names") or not model.names:
+        model.names = ckpt.get("names") or {i: str(i) for i in range(int(model.nc))}
+    if isinstance(model.names, (list, tuple)):
+        model.names = dict(enumerate(model.names))
+    return model
+
+
+def save_quantized(path: str | os.PathLike, model: nn.Module, info, *, epoch: int | None = None,
+                   metrics: dict | None = None, task: str = "detect") -> Path:
+    """Write a quantized checkpoint atomically."""
+    import modelopt.torch.opt as mto
+    ckpt = {
+        "format": FORMAT,
+        "version": __version__,
+        "task": task,
+        "yaml": model.yaml,
+        "nc": int(model.nc) if hasattr(model, "nc") else int(model.yaml["nc"]),
+        "names": dict(model.names),
+        "stride": model.stride.tolist(),
+        "modelopt_state": mto.modelopt_state(model),
+        "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+        "quant": dataclasses.asdict(info),
+        "epoch": epoch,
+        "metrics": metrics or {},
+    }
+    with atomic_path(path) as tmp:
+        torch.save(ckpt, tmp)
+    return Path(path)
+
+
+def rebuild(ckpt: dict) -> nn.Module:
+    """A fused FP model built from the checkpoint's yaml, matching the quantized model's structure."""
+    from models.quantize import fuse
+    from models.yolo import DetectionModel
+    builder = DetectionModel
+    if ckpt.get("task") == "segment":
+        from models.yolo import SegmentationModel as builder
+    model = builder(cfg=dict(ckpt["yaml"]), ch=3, nc=ckpt["nc"])
+    return fuse(model.float())
+
+
+def load_quantized(path: str | os.PathLike, task: str = "detect"):
+    """Rebuild a quantized model in this process. Returns ``(model, QuantInfo, ckpt)``."""
+    import modelopt.torch.opt as mto
+
+    from models import quantize_rules as rules
+    from models.quantize import QuantInfo
+    ckpt = read(path)
+    if not is_quantized(ckpt):
+        raise QATError(f"{path} is a floating-point checkpoint, not a quantized one; run `qat.py quantize` "
+                       "first, or pass --allow-fp to evaluate it as it is.")
+    check_task(ckpt, path, task)
+    model = rebuild(ckpt)
+    rules.register_yolov9_modules()
+    model = mto.restore_from_modelopt_state(model, ckpt["modelopt_state"])
+    model.load_state_dict(ckpt["state_dict"])
+    model.names = dict(ckpt["names"])
+    model.stride = torch.tensor(ckpt["stride"], dtype=torch.float32)
+    info = QuantInfo(**ckpt["quant"])
+    return model.eval(), info, ckpt

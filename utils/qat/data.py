@@ -1,0 +1,112 @@
+"""Dataset yamls and dataloaders, with one clear sentence for every way a dataset can be wrong."""
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import yaml
+
+from utils.qat.errors import QATError
+
+IMAGE_SUFFIXES = {".bmp", ".dng", ".jpeg", ".jpg", ".mpo", ".png", ".tif", ".tiff", ".webp", ".pfm"}
+
+
+def _resolve(entry, base: Path) -> list[Path]:
+    items = entry if isinstance(entry, (list, tuple)) else [entry]
+    return [p if p.is_absolute() else (base / p) for p in (Path(str(i)) for i in items)]
+
+
+def _count_images(paths: list[Path]) -> int:
+    n = 0
+    for p in paths:
+        if p.is_dir():
+            n += sum(1 for f in p.rglob("*") if f.suffix.lower() in IMAGE_SUFFIXES)
+        elif p.is_file():  # a txt list of image paths
+            n += sum(1 for line in p.read_text().splitlines() if line.strip())
+    return n
+
+
+def load_data_yaml(path: str | os.PathLike, splits: tuple[str, ...] = ("val",), root: str | os.PathLike | None = None) -> dict:
+    """Read and check a YOLOv9 data yaml. ``splits`` must exist and hold images.
+
+    Like upstream, a relative ``path:`` is taken relative to the YOLOv9 root (``root``, default: the
+    current directory) and train/val relative to ``path``. Returns the dict with absolute paths.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise QATError(f"dataset yaml not found: {path}; pass --data with the path of a YOLOv9 data yaml.")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise QATError(f"{path} is not valid YAML ({e.__class__.__name__}); fix the file's syntax.") from e
+    if not isinstance(data, dict):
+        raise QATError(f"{path} is not a YOLOv9 data yaml (expected keys train, val, nc, names).")
+    if "names" not in data:
+        raise QATError(f"{path} has no 'names:' list; add the class names.")
+    names = data["names"]
+    if isinstance(names, (list, tuple)):
+        names = dict(enumerate(names))
+    if not isinstance(names, dict):
+        raise QATError(f"'names:' in {path} must be a list or an index->name mapping.")
+    names = {int(k): str(v) for k, v in names.items()}
+    nc = int(data.get("nc", len(names)))
+    if nc != len(names):
+        raise QATError(f"{path} says nc: {nc} but lists {len(names)} names; make them agree.")
+    base = Path(data.get("path") or "")
+    if not base.is_absolute():
+        base = (Path(root or os.getcwd()) / base).resolve()
+    for split in splits:
+        if not data.get(split):
+            raise QATError(f"{path} has no '{split}:' entry; add the {split} image folder or list.")
+        paths = _resolve(data[split], base)
+        missing = [str(p) for p in paths if not p.exists()]
+        if missing:
+            raise QATError(f"the '{split}' images of {path} were not found at {missing[0]}; fix 'path:' / "
+                           f"'{split}:' (relative paths are taken from the YOLOv9 root).")
+        if _count_images(paths) == 0:
+            raise QATError(f"the '{split}' folder of {path} ({paths[0]}) holds no images; point it at a folder of "
+                           "images with labels/ beside images/.")
+        data[split] = [str(p) for p in paths] if len(paths) > 1 else str(paths[0])
+    data.update(path=str(base), names=names, nc=nc, yaml_file=str(path))
+    return data
+
+
+def check_imgsz(imgsz: int, stride: int) -> int:
+    """Round ``imgsz`` up to a multiple of the model stride, with a notice, as upstream does."""
+    fixed = int(math.ceil(imgsz / stride) * stride)
+    if fixed != imgsz:
+        print(f"notice: --imgsz {imgsz} is not a multiple of the model stride {stride}; using {fixed}.")
+    return fixed
+
+
+def dataloader(data: dict, split: str, imgsz: int, batch_size: int, stride: int, *, workers: int = 8,
+               rect: bool = True, shuffle: bool = False, hyp: dict | None = None, prefix: str = ""):
+    """Upstream's dataloader: validation form (letterbox, pad 0.5, rect) by default; with ``hyp``, the
+    training form with upstream's augmentation. Returns ``(loader, dataset)``."""
+    from utils.dataloaders import create_dataloader
+    return create_dataloader(data[split], imgsz, batch_size, stride, single_cls=False, hyp=hyp,
+                             augment=hyp is not None, pad=0.5 if rect else 0.0, rect=rect,
+                             workers=min(workers, os.cpu_count() or 1), shuffle=shuffle,
+                             prefix=prefix or f"{split}: ")
+
+
+def load_hyp(path: str | os.PathLike | None) -> dict | None:
+    """Hyperparameters for augmentation during QAT (upstream hyp yaml), or None."""
+    if path is None:
+        return None
+    path = Path(path)
+    if not path.is_file():
+        raise QATError(f"hyperparameter file not found: {path}; pass --hyp data/hyps/hyp.scratch-high.yaml or omit it.")
+    hyp = yaml.safe_load(path.read_text())
+    if not isinstance(hyp, dict):
+        raise QATError(f"{path} is not a hyperparameter yaml (expected key: value pairs such as mosaic: 1.0).")
+    return hyp
+
+
+def images_only(loader, device, limit: int | None = None):
+    """Yield float image batches in [0, 1] on ``device`` from an upstream dataloader."""
+    for i, (im, *_rest) in enumerate(loader):
+        if limit is not None and i >= limit:
+            return
+        yield im.to(device, non_blocking=True).float() / 255

@@ -1,0 +1,104 @@
+"""Results people can read: report.json, a markdown table, the console table and plots."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from utils.qat.atomic import atomic_path, write_text
+
+COLUMNS = ("AP", "AP50", "Precision", "Recall")
+
+
+def entry(name: str, weights: str | Path | None, metrics, seconds: float, **extra) -> dict:
+    """One evaluated model: AP is mAP50-95, AP50 is mAP50 (the reference README's naming)."""
+    return {"name": name, "weights": str(weights) if weights else None, "AP": round(metrics.mAP50_95, 4),
+            "AP50": round(metrics.mAP50, 4), "Precision": round(metrics.P, 4), "Recall": round(metrics.R, 4),
+            "images": metrics.images, "seconds": round(seconds, 1), **extra}
+
+
+def table(rows: list[dict], columns=COLUMNS, first: str = "Model") -> str:
+    """A markdown table of ``rows`` (dicts with ``name`` and the columns)."""
+    lines = [f"| {first} | " + " | ".join(columns) + " |", "|" + "---|" * (len(columns) + 1)]
+    for r in rows:
+        cells = [f"{r[c]:.4f}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in columns]
+        lines.append(f"| {r['name']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def deltas(rows: list[dict], reference: str = "Origin") -> list[dict]:
+    """Rows 'X vs Origin' with signed differences, as in the reference README's comparison table."""
+    base = next((r for r in rows if r["name"] == reference), None)
+    if base is None:
+        return []
+    out = []
+    for r in rows:
+        if r is base:
+            continue
+        d = {"name": f"{r['name']} vs {reference}"}
+        for c in COLUMNS:
+            d[c] = f"{r[c] - base[c]:+.4f}"
+        out.append(d)
+    return out
+
+
+def comparison_markdown(rows: list[dict], title: str) -> str:
+    parts = [f"# {title}", "", "## Evaluation results", "", table(rows)]
+    diff = deltas(rows)
+    if diff:
+        parts += ["", "## Evaluation comparison", "", table(diff, first="Comparison")]
+    return "\n".join(parts) + "\n"
+
+
+def write_report(run_dir: Path, rows: list[dict], epochs: list[dict], title: str) -> None:
+    """report.json + report.md (+ qat_ap.png when there are epochs), each written atomically."""
+    run_dir = Path(run_dir)
+    write_text(run_dir / "report.json", json.dumps({"models": rows, "epochs": epochs}, indent=2))
+    write_text(run_dir / "report.md", comparison_markdown(rows, title))
+    if epochs:
+        plot_epochs(run_dir / "qat_ap.png", epochs, rows)
+
+
+def _pyplot():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_epochs(path: Path, epochs: list[dict], rows: list[dict]) -> None:
+    """AP per QAT epoch, with the Origin and PTQ levels as lines."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
+    xs = [e["epoch"] for e in epochs if e.get("AP") is not None]
+    ax.plot(xs, [e["AP"] for e in epochs if e.get("AP") is not None], "o-", label="QAT")
+    for r, style in zip(rows, ("--", ":")):
+        if r["name"] in ("Origin", "PTQ"):
+            ax.axhline(r["AP"], linestyle="--" if r["name"] == "Origin" else ":", color="gray" if r["name"] == "Origin" else "tab:orange", label=r["name"])
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("mAP50-95")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
+    plt.close(fig)
+
+
+def plot_sensitivity(path: Path, layers: list[dict], baseline: float | None, top: int = 20) -> None:
+    """Bar chart: AP with each layer kept in FP (the higher, the more that layer hurts when quantized)."""
+    plt = _pyplot()
+    shown = layers[:top]
+    fig, ax = plt.subplots(figsize=(max(6, 0.4 * len(shown)), 3.8), dpi=120)
+    ax.bar([str(l["layer"]) for l in shown], [l["AP"] for l in shown], color="tab:blue")
+    if baseline is not None:
+        ax.axhline(baseline, color="tab:orange", linestyle=":", label="all layers INT8 (PTQ)")
+        ax.legend()
+    lo = min([l["AP"] for l in shown] + ([baseline] if baseline is not None else []))
+    hi = max([l["AP"] for l in shown] + ([baseline] if baseline is not None else []))
+    ax.set_ylim(max(0.0, lo - 0.02), hi + 0.01)
+    ax.set_xlabel("layer kept in FP (model.model index)")
+    ax.set_ylabel("mAP50-95")
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
+    plt.close(fig)
