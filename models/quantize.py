@@ -84,7 +84,7 @@ def prepare(model: nn.Module, method: str = DEFAULT_CALIB_METHOD, skip: Sequence
             if entry["quantizer_name"] == "*input_quantizer":
                 entry["cfg"]["calibrator"] = "histogram"
     rules.register_yolov9_modules()
-    model = mtq.quantize(model, config, forward_loop=None)
+    model = mtq.quantize(model, config, forward_loop=None).eval()
     return model, QuantInfo(calib_method=method, skip=[str(s) for s in skip], fp_patterns=patterns)
 
 

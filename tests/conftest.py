@@ -36,18 +36,35 @@ def _source_tree(tmp_root: Path) -> Path:
     return dest
 
 
-@pytest.fixture(scope="session")
-def yolov9_tree(tmp_path_factory) -> Path:
-    """A patched copy of the YOLOv9 tree, on sys.path, with the compat shims applied."""
-    root = tmp_path_factory.mktemp("tree")
+_TREE: Path | None = None
+
+
+def pytest_configure(config):
+    """Patch a fresh copy of the tree before collection, so every ``utils.qat`` import in a test module
+    resolves inside the patched tree (never the repository's own ``utils/``, which lacks upstream's)."""
+    global _TREE
+    import tempfile
+    root = Path(tempfile.mkdtemp(prefix="yolov9-qat-tests-"))
+    config.add_cleanup(lambda: shutil.rmtree(root, ignore_errors=True))
     src = _source_tree(root)
     tree = root / "yolov9"
     shutil.copytree(src, tree, symlinks=True, ignore=shutil.ignore_patterns(".git", "__pycache__"))
-    subprocess.run(["bash", str(REPO / "patch_yolov9.sh"), str(tree)], check=True, capture_output=True)
+    r = subprocess.run(["bash", str(REPO / "patch_yolov9.sh"), str(tree)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.exit(f"patch_yolov9.sh failed on the test tree: {r.stderr.strip() or r.stdout.strip()}", 2)
+    here = {"", ".", str(REPO)}
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != str(REPO) and p not in here]
     sys.path.insert(0, str(tree))
+    sys.path.insert(1, str(REPO / "tests"))
     from utils.qat import compat
     compat.apply(tree)
-    return tree
+    _TREE = tree
+
+
+@pytest.fixture(scope="session")
+def yolov9_tree() -> Path:
+    """The patched copy of the YOLOv9 tree (on sys.path, compat shims applied)."""
+    return _TREE
 
 
 def tree_has(tree: Path, symbol: str) -> bool:

@@ -99,9 +99,12 @@ def save_quantized(path: str | os.PathLike, model: nn.Module, info, *, epoch: in
 
 def rebuild(ckpt: dict) -> nn.Module:
     """A fused FP model built from the checkpoint's yaml, matching the quantized model's structure."""
+    from models.common import Conv
     from models.quantize import fuse
     from models.yolo import DetectionModel
     builder = DetectionModel
+    if not ckpt["yaml"].get("activation"):
+        Conv.default_act = nn.SiLU()  # upstream's parse_model leaves a previous model's activation behind
     if ckpt.get("task") == "segment":
         from models.yolo import SegmentationModel as builder
     model = builder(cfg=dict(ckpt["yaml"]), ch=3, nc=ckpt["nc"])

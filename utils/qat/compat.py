@@ -85,15 +85,23 @@ def _shim_pkg_resources() -> None:
 
 
 def _shim_ipython() -> None:
-    # utils/general.py: ModuleNotFoundError: No module named 'IPython' (imported at module level, used
-    # only to detect notebooks)
+    # utils/general.py `import IPython` and models/common.py `from IPython.display import display`:
+    # ModuleNotFoundError where IPython is not installed (used only for notebooks).
     try:
         import IPython  # noqa: F401
+        return
     except ImportError:
-        mod = types.ModuleType("IPython")
-        mod.get_ipython = lambda: None
-        mod.display = types.SimpleNamespace(display=print, clear_output=lambda *a, **k: None)
-        sys.modules["IPython"] = mod
+        pass
+    mod = types.ModuleType("IPython")
+    mod.__path__ = []  # a package, so `IPython.display` imports
+    mod.version_info = (99, 0)  # matplotlib compares it; "new enough" skips its IPython integration
+    mod.get_ipython = lambda: None
+    display = types.ModuleType("IPython.display")
+    display.display = print
+    display.clear_output = lambda *a, **k: None
+    mod.display = display
+    sys.modules["IPython"] = mod
+    sys.modules["IPython.display"] = display
 
 
 def _shim_torch_load() -> None:
@@ -113,6 +121,26 @@ def _shim_torch_load() -> None:
 
     load._yolov9_qat_shim = True
     torch.load = load
+
+
+def _shim_torch_save_trusts_own_files() -> None:
+    # train.py: strip_optimizer(last.pt) and the final attempt_load(best.pt) raise UnpicklingError
+    # 'Weights only load failed' on the checkpoints train.py itself has just written (torch >= 2.6).
+    # A file this process wrote with torch.save is as trusted as the process: trust it for loading.
+    import torch
+    if getattr(torch.save, "_yolov9_qat_shim", False):
+        return
+    original = torch.save
+
+    @functools.wraps(original)
+    def save(obj, f, *args, **kwargs):
+        result = original(obj, f, *args, **kwargs)
+        if isinstance(f, (str, os.PathLike)):
+            trust_checkpoint(f)
+        return result
+
+    save._yolov9_qat_shim = True
+    torch.save = save
 
 
 def local_font() -> Path:
@@ -157,5 +185,6 @@ def apply(yolov9_root: str | os.PathLike | None = None) -> None:
     _shim_pkg_resources()
     _shim_ipython()
     _shim_torch_load()
+    _shim_torch_save_trusts_own_files()
     _shim_font()
     _applied = True

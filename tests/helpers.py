@@ -1,0 +1,82 @@
+"""Shared helpers for tests: real images, randomly initialised models that do not vanish."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import cv2
+import numpy as np
+import torch
+import torch.nn as nn
+
+# A tiny GELAN touching every quantizer kind: Conv, RepNCSPELAN4 (residual Add, internal cat),
+# AConv and ADown (avg/max pool), SPPELAN (MaxPool), Upsample, Concat, DDetect.
+TINY_GELAN = {
+    "nc": 4, "depth_multiple": 1.0, "width_multiple": 1.0, "anchors": 3,
+    "backbone": [
+        [-1, 1, "Conv", [16, 3, 2]],
+        [-1, 1, "Conv", [32, 3, 2]],
+        [-1, 1, "RepNCSPELAN4", [32, 32, 16, 1]],
+        [-1, 1, "AConv", [48]],
+        [-1, 1, "RepNCSPELAN4", [48, 48, 24, 1]],  # 4 P3
+        [-1, 1, "ADown", [64]],
+        [-1, 1, "RepNCSPELAN4", [64, 64, 32, 1]],  # 6 P4
+        [-1, 1, "ADown", [64]],
+        [-1, 1, "RepNCSPELAN4", [64, 64, 32, 1]],  # 8 P5
+    ],
+    "head": [
+        [-1, 1, "SPPELAN", [64, 32]],  # 9
+        [-1, 1, "nn.Upsample", [None, 2, "nearest"]],
+        [[-1, 6], 1, "Concat", [1]],
+        [-1, 1, "RepNCSPELAN4", [64, 64, 32, 1]],  # 12
+        [-1, 1, "nn.Upsample", [None, 2, "nearest"]],
+        [[-1, 4], 1, "Concat", [1]],
+        [-1, 1, "RepNCSPELAN4", [48, 48, 24, 1]],  # 15
+        [-1, 1, "ADown", [48]],
+        [[-1, 12], 1, "Concat", [1]],
+        [-1, 1, "RepNCSPELAN4", [64, 64, 32, 1]],  # 18
+        [-1, 1, "ADown", [64]],
+        [[-1, 9], 1, "Concat", [1]],
+        [-1, 1, "RepNCSPELAN4", [64, 64, 32, 1]],  # 21
+        [[15, 18, 21], 1, "DDetect", ["nc"]],
+    ],
+}
+
+
+def real_images(folder: Path, n: int, size: int) -> torch.Tensor:
+    """``n`` real photos from ``folder``, resized to ``size`` x ``size``, float in [0, 1], NCHW."""
+    files = sorted(p for p in Path(folder).iterdir() if p.suffix.lower() in {".jpg", ".png"})[:n]
+    ims = [cv2.resize(cv2.imread(str(p)), (size, size))[:, :, ::-1].transpose(2, 0, 1) for p in files]
+    return torch.from_numpy(np.ascontiguousarray(np.stack(ims))).float() / 255
+
+
+@torch.no_grad()
+def reinit(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Re-initialise convs (Kaiming) and BatchNorm (non-trivial statistics) so activations stay O(1).
+
+    A default-initialised YOLOv9 model has activations around 1e-9 deep in the network, below the
+    quantizer's amax epsilon, so fake-quant would output zeros.
+    """
+    g = torch.Generator().manual_seed(seed)
+    for m in model.modules():
+        if isinstance(m, nn.Conv2d) and m.weight.requires_grad:
+            fan_in = m.weight[0].numel()
+            m.weight.copy_(torch.randn(m.weight.shape, generator=g) * (2.0 / fan_in) ** 0.5)
+            if m.bias is not None:
+                m.bias.copy_(torch.randn(m.bias.shape, generator=g) * 0.1)
+        elif isinstance(m, nn.BatchNorm2d):
+            m.weight.copy_(1 + 0.1 * torch.randn(m.weight.shape, generator=g))
+            m.bias.copy_(0.1 * torch.randn(m.bias.shape, generator=g))
+            m.running_mean.copy_(0.1 * torch.randn(m.running_mean.shape, generator=g))
+            m.running_var.copy_(1 + 0.1 * torch.rand(m.running_var.shape, generator=g))
+    return model.eval()
+
+
+def build(cfg, nc: int | None = None, seed: int = 0) -> nn.Module:
+    """A DetectionModel from a yaml path or dict, re-initialised, with class names set."""
+    from models.common import Conv
+    from models.yolo import DetectionModel
+    if not (cfg.get("activation") if isinstance(cfg, dict) else None):
+        Conv.default_act = nn.SiLU()  # upstream keeps the last built model's activation as a class default
+    model = DetectionModel(cfg=dict(cfg) if isinstance(cfg, dict) else str(cfg), ch=3, nc=nc)
+    model.names = {i: f"class{i}" for i in range(model.yaml["nc"] if nc is None else nc)}
+    return reinit(model, seed)

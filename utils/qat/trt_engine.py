@@ -1,0 +1,552 @@
+"""TensorRT 10/11 engine building and the engine runner (a backend for the shared evaluator).
+
+Written from the TensorRT 10 and 11 Python API documentation and type-checked against
+``tensorrt-stubs``; ``tensorrt`` is imported lazily so that this module imports without it.
+
+- :func:`build_engine`: ONNX parser -> builder config -> optimization profile -> serialized
+  engine, written atomically, plus a JSON sidecar ``X.engine.json`` (TensorRT version, stride,
+  names, imgsz, end2end, task, onnx) so nothing downstream hard-codes a stride.
+  TensorRT 10: an explicit-quantization (Q/DQ) ONNX is built weakly typed with the FP16 and INT8
+  builder flags, or strongly typed when asked. TensorRT 11: strongly typed only; the FP16/INT8
+  builder flags no longer exist, FP16 for non-quantized parts comes from a ``--half`` export.
+- :class:`TRTBackend`: runs an engine through the named I/O tensor API (``set_input_shape``,
+  ``set_tensor_address``, ``execute_async_v3``) with torch CUDA tensors as device buffers.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import sys
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence, Union
+
+from utils.qat.atomic import atomic_path, write_text
+from utils.qat.errors import QATError
+
+if TYPE_CHECKING:  # torch is imported where it is used, so that the metadata helpers load fast (trtexec path)
+    import tensorrt as trt
+    import torch
+
+INSTALL_TENSORRT = "./install_dependencies.sh --tensorrt"
+END2END_OUTPUTS = ("num_dets", "det_boxes", "det_scores", "det_classes")
+METADATA_SUFFIX = ".json"  # the sidecar of X.engine is X.engine.json
+
+PathLike = Union[str, "os.PathLike[str]"]
+Output = Union["torch.Tensor", "tuple[torch.Tensor, ...]", "dict[str, torch.Tensor]"]
+
+
+# ----------------------------------------------------------------------------- version, imports
+def _require_tensorrt() -> None:
+    """Raise a QATError naming the install command when ``import tensorrt`` fails."""
+    try:
+        import tensorrt
+    except (ImportError, OSError) as e:  # OSError: the wheel is there but its CUDA libraries are not
+        raise QATError(f"TensorRT is not installed here (import tensorrt: {e}); install it with "
+                       f"{INSTALL_TENSORRT}.") from e
+    if not hasattr(tensorrt, "__version__") or not hasattr(tensorrt, "Builder"):
+        # e.g. only tensorrt-stubs is installed: its tensorrt/ folder of .pyi files imports as an empty package
+        where = ", ".join(getattr(tensorrt, "__path__", [])) or "?"
+        raise QATError(f"TensorRT is not installed here (import tensorrt found only an empty package at {where}, "
+                       f"e.g. from tensorrt-stubs); install it with {INSTALL_TENSORRT}.")
+
+
+def parse_version(text: str) -> tuple[int, int]:
+    """``"10.3.0.26"`` -> ``(10, 3)``."""
+    m = re.match(r"\s*(\d+)\.(\d+)", str(text))
+    if not m:
+        raise QATError(f"cannot read the TensorRT version from {text!r}; reinstall it with {INSTALL_TENSORRT}.")
+    return int(m.group(1)), int(m.group(2))
+
+
+def trt_version() -> tuple[int, int]:
+    """(major, minor) of the installed TensorRT Python package."""
+    _require_tensorrt()
+    import tensorrt as trt
+    return parse_version(trt.__version__)
+
+
+def trt_version_string() -> str:
+    _require_tensorrt()
+    import tensorrt as trt
+    return str(trt.__version__)
+
+
+def _require_cuda() -> None:
+    import torch
+    if not torch.cuda.is_available():
+        raise QATError("no CUDA GPU is visible (torch.cuda.is_available() is False): TensorRT engines are "
+                       "built and run on an NVIDIA GPU; run this on a machine with one (check nvidia-smi and "
+                       "CUDA_VISIBLE_DEVICES).")
+
+
+def _cuda_device(device: str | torch.device) -> torch.device:
+    import torch
+    _require_cuda()
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        raise QATError(f"TensorRT engines run on a CUDA device, not {dev}; pass --device cuda:0 (or another GPU).")
+    if dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    if dev.index >= torch.cuda.device_count():
+        raise QATError(f"{dev} does not exist: this machine has {torch.cuda.device_count()} CUDA device(s); "
+                       f"pass --device cuda:0 .. cuda:{torch.cuda.device_count() - 1}.")
+    return dev
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """``"10.3.0.26"`` -> ``(10, 3, 0)``: engines load only in the TensorRT release that built them."""
+    return tuple(int(x) for x in re.findall(r"\d+", str(version))[:3])
+
+
+def _dims(d: Any) -> tuple[int, ...]:
+    """A ``tensorrt.Dims`` (or any sequence) as a tuple of ints."""
+    return tuple(int(d[i]) for i in range(len(d)))
+
+
+# ----------------------------------------------------------------------------- metadata sidecar
+def metadata_path(engine_path: PathLike) -> Path:
+    p = Path(engine_path)
+    return p.with_name(p.name + METADATA_SUFFIX)
+
+
+def onnx_metadata(onnx_path: PathLike) -> dict[str, Any]:
+    """Stride, names, task and End2End-ness of an exported ONNX (YOLOv9 export writes ``stride`` and
+    ``names`` into ``metadata_props``). Missing pieces are None; needs the ``onnx`` package."""
+    meta: dict[str, Any] = {"stride": None, "names": None, "end2end": False, "task": "detect", "imgsz": None,
+                            "input_name": None}
+    try:
+        import onnx
+    except ImportError:
+        return meta
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    props = {p.key: p.value for p in model.metadata_props}
+    if "stride" in props:
+        try:
+            meta["stride"] = int(float(props["stride"]))
+        except ValueError:
+            pass
+    if "names" in props:
+        try:
+            names = ast.literal_eval(props["names"])
+            if isinstance(names, (list, tuple)):
+                names = dict(enumerate(names))
+            if isinstance(names, dict):
+                meta["names"] = {int(k): str(v) for k, v in names.items()}
+        except (ValueError, SyntaxError):
+            pass
+    outputs = [o.name for o in model.graph.output]
+    meta["end2end"] = all(n in outputs for n in END2END_OUTPUTS)
+
+    def rank(vi: Any) -> int:
+        return len(vi.type.tensor_type.shape.dim)
+
+    is_seg = "det_masks" in outputs or (not meta["end2end"] and any(rank(o) == 4 for o in model.graph.output))
+    meta["task"] = props.get("task") or ("segment" if is_seg else "detect")
+    initializers = {i.name for i in model.graph.initializer}
+    inputs = [i for i in model.graph.input if i.name not in initializers]
+    if inputs:
+        meta["input_name"] = inputs[0].name
+        dims = [d.dim_value if d.HasField("dim_value") else None for d in inputs[0].type.tensor_type.shape.dim]
+        if len(dims) == 4 and dims[2] and dims[3]:
+            meta["imgsz"] = [int(dims[2]), int(dims[3])]
+    return meta
+
+
+def write_engine_metadata(engine_path: PathLike, onnx_path: PathLike | None, *, tensorrt_version: str | None,
+                          builder: str, imgsz: Sequence[int] | None = None, batch: dict[str, int] | None = None,
+                          strongly_typed: bool | None = None, precision_flags: Sequence[str] = (),
+                          extra: dict[str, Any] | None = None) -> Path:
+    """Write ``X.engine.json`` beside the engine (atomically)."""
+    meta = onnx_metadata(onnx_path) if onnx_path is not None and Path(onnx_path).is_file() else {}
+    names = meta.get("names")
+    doc: dict[str, Any] = {
+        "format": 1,
+        "tensorrt": tensorrt_version,
+        "builder": builder,
+        "onnx": str(onnx_path) if onnx_path is not None else None,
+        "stride": meta.get("stride"),
+        "names": {str(k): v for k, v in names.items()} if names else None,
+        "imgsz": list(imgsz) if imgsz is not None else meta.get("imgsz"),
+        "end2end": bool(meta.get("end2end", False)),
+        "task": meta.get("task", "detect"),
+        "input_name": meta.get("input_name"),
+        "batch": batch,
+        "strongly_typed": strongly_typed,
+        "precision_flags": list(precision_flags),
+    }
+    doc.update(extra or {})
+    return write_text(metadata_path(engine_path), json.dumps(doc, indent=2) + "\n")
+
+
+def read_engine_metadata(engine_path: PathLike) -> dict[str, Any]:
+    """The sidecar of ``engine_path`` ({} when absent or unreadable); ``names`` keys come back as ints."""
+    p = metadata_path(engine_path)
+    try:
+        doc = json.loads(p.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(doc, dict):
+        return {}
+    if isinstance(doc.get("names"), dict):
+        doc["names"] = {int(k): str(v) for k, v in doc["names"].items()}
+    return doc
+
+
+# ----------------------------------------------------------------------------- building
+def _workspace_bytes(workspace_gib: float | None) -> int:
+    if workspace_gib is not None:
+        if workspace_gib <= 0:
+            raise QATError(f"workspace must be positive, got {workspace_gib} GiB; pass e.g. --workspace 4.")
+        return int(workspace_gib * (1 << 30))
+    import torch
+    free, _total = torch.cuda.mem_get_info()
+    return int(free)
+
+
+def _profile_shapes(name: str, shape: tuple[int, ...], min_batch: int, opt_batch: int, max_batch: int,
+                    imgsz: tuple[int, int] | None) -> tuple[list[int], list[int], list[int]] | None:
+    """min/opt/max for one network input, or None when the input is static."""
+    if all(d >= 0 for d in shape):
+        if imgsz is not None and len(shape) == 4 and tuple(shape[2:]) != imgsz:
+            raise QATError(f"the ONNX input {name!r} is fixed at {shape[2]}x{shape[3]} but imgsz "
+                           f"{imgsz[0]}x{imgsz[1]} was asked for; re-export with --imgsz {imgsz[0]} (or --dynamic).")
+        return None
+    if len(shape) != 4:
+        raise QATError(f"the ONNX input {name!r} has shape {list(shape)}; expected images B x C x H x W: re-export "
+                       f"it with export_qat.py.")
+    c = shape[1]
+    if c < 0:
+        raise QATError(f"the ONNX input {name!r} has a dynamic channel dimension; re-export it with export_qat.py.")
+    if shape[2] < 0 or shape[3] < 0:
+        if imgsz is None:
+            raise QATError(f"the ONNX input {name!r} has dynamic height/width: pass imgsz (--imgsz N) to fix the "
+                           f"engine's image size.")
+        h, w = imgsz
+    else:
+        h, w = shape[2], shape[3]
+        if imgsz is not None and (h, w) != imgsz:
+            raise QATError(f"the ONNX input {name!r} is fixed at {h}x{w} but imgsz {imgsz[0]}x{imgsz[1]} was "
+                           f"asked for; re-export with --imgsz {imgsz[0]}.")
+    if shape[0] >= 0:  # static batch, dynamic H/W
+        min_batch = opt_batch = max_batch = shape[0]
+    return [min_batch, c, h, w], [opt_batch, c, h, w], [max_batch, c, h, w]
+
+
+def build_engine(onnx_path: PathLike, engine_path: PathLike, *, min_batch: int = 1, opt_batch: int | None = None,
+                 max_batch: int = 16, imgsz: int | Sequence[int] | None = None, strongly_typed: bool | None = None,
+                 fp16: bool = True, int8: bool = True, workspace_gib: float | None = None,
+                 timing_cache: PathLike | None = None, verbose: bool = False) -> Path:
+    """Build a TensorRT engine from an exported ONNX and save it (and ``X.engine.json``) atomically.
+
+    ``strongly_typed=None`` means: weakly typed with FP16/INT8 builder flags on TensorRT 10, strongly
+    typed on TensorRT 11 (its only mode). ``workspace_gib=None`` uses the free GPU memory.
+    """
+    onnx_path, engine_path = Path(onnx_path), Path(engine_path)
+    if not onnx_path.is_file():
+        raise QATError(f"ONNX file {onnx_path} not found; export it first with "
+                       f"python3 export_qat.py --weights W --include onnx --dynamic --simplify.")
+    opt_batch = max_batch if opt_batch is None else opt_batch
+    if not 1 <= min_batch <= opt_batch <= max_batch:
+        raise QATError(f"batch sizes must satisfy 1 <= min <= opt <= max, got {min_batch}/{opt_batch}/{max_batch}; "
+                       f"fix --min/--opt/--max.")
+    hw: tuple[int, int] | None = None
+    if imgsz is not None:
+        hw = (int(imgsz), int(imgsz)) if isinstance(imgsz, int) else (int(imgsz[0]), int(imgsz[-1]))
+    _require_tensorrt()
+    import tensorrt as trt
+    version = str(trt.__version__)
+    major, _minor = parse_version(version)
+    if major < 10:
+        raise QATError(f"TensorRT {version} is too old: this toolkit needs TensorRT 10 or 11 (named I/O tensor "
+                       f"API); upgrade with {INSTALL_TENSORRT}.")
+    if major >= 11 and strongly_typed is False:
+        raise QATError(f"TensorRT {version} builds strongly typed networks only (its FP16/INT8 builder flags are "
+                       f"gone), so strongly_typed=False cannot work: build strongly typed, and export the ONNX "
+                       f"with --half to run the non-quantized parts in FP16.")
+    strong = major >= 11 or bool(strongly_typed)
+    _require_cuda()
+
+    logger = trt.Logger(trt.Logger.VERBOSE if verbose else trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    flags = 0
+    if strong and major == 10:
+        flags |= 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
+    # TensorRT 11: every network is strongly typed; the STRONGLY_TYPED flag is deprecated and ignored.
+    network = builder.create_network(flags)
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(onnx_path)):
+        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors)) or "no details"
+        raise QATError(f"TensorRT {version} could not parse {onnx_path} ({errors}); re-export it with "
+                       f"export_qat.py (opset >= 13 with Q/DQ nodes).")
+
+    config = builder.create_builder_config()
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, _workspace_bytes(workspace_gib))
+    precision_flags: list[str] = []
+    if not strong:  # TensorRT 10, weakly typed: let the builder pick FP16/INT8 kernels around the Q/DQ nodes
+        if fp16:
+            config.set_flag(trt.BuilderFlag.FP16)
+            precision_flags.append("FP16")
+        if int8:
+            config.set_flag(trt.BuilderFlag.INT8)
+            precision_flags.append("INT8")
+
+    profile = builder.create_optimization_profile()
+    dynamic = False
+    built_hw: tuple[int, int] | None = None
+    batch_info = {"min": min_batch, "opt": opt_batch, "max": max_batch}
+    for i in range(network.num_inputs):
+        tensor = network.get_input(i)
+        shape = _dims(tensor.shape)
+        shapes = _profile_shapes(tensor.name, shape, min_batch, opt_batch, max_batch, hw)
+        if len(shape) == 4:
+            built_hw = (shapes[0][2], shapes[0][3]) if shapes else (shape[2], shape[3])
+            if shapes:
+                batch_info = {"min": shapes[0][0], "opt": shapes[1][0], "max": shapes[2][0]}
+            else:
+                batch_info = {"min": shape[0], "opt": shape[0], "max": shape[0]}
+        if shapes:
+            dynamic = True
+            profile.set_shape(tensor.name, trt.Dims(shapes[0]), trt.Dims(shapes[1]), trt.Dims(shapes[2]))
+    if dynamic:
+        config.add_optimization_profile(profile)
+
+    cache_path = Path(timing_cache) if timing_cache is not None else None
+    if cache_path is not None:
+        blob = cache_path.read_bytes() if cache_path.is_file() else b""
+        config.set_timing_cache(config.create_timing_cache(blob), False)
+
+    serialized = builder.build_serialized_network(network, config)
+    if serialized is None:
+        raise QATError(f"TensorRT {version} failed to build an engine from {onnx_path}; rerun with --verbose to "
+                       f"see the builder log (a common cause is too little GPU memory: close other GPU jobs).")
+    with atomic_path(engine_path) as tmp:
+        tmp.write_bytes(serialized)
+    if cache_path is not None:
+        with atomic_path(cache_path) as tmp:
+            tmp.write_bytes(config.get_timing_cache().serialize())
+    write_engine_metadata(engine_path, onnx_path, tensorrt_version=version, builder="python", imgsz=built_hw,
+                          batch=batch_info, strongly_typed=strong, precision_flags=precision_flags)
+    return engine_path
+
+
+# ----------------------------------------------------------------------------- running
+class _IO:
+    """One engine I/O tensor: name, torch dtype, engine shape (-1 = dynamic), profile shapes."""
+
+    def __init__(self, name: str, dtype: torch.dtype, shape: tuple[int, ...],
+                 profile: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None) -> None:
+        self.name, self.dtype, self.shape, self.profile = name, dtype, shape, profile
+
+
+def _torch_dtypes() -> dict[Any, torch.dtype]:
+    import tensorrt as trt
+    import torch
+    table: dict[Any, torch.dtype] = {
+        trt.DataType.FLOAT: torch.float32,
+        trt.DataType.HALF: torch.float16,
+        trt.DataType.INT8: torch.int8,
+        trt.DataType.INT32: torch.int32,
+        trt.DataType.BOOL: torch.bool,
+    }
+    for attr, dtype in (("INT64", torch.int64), ("UINT8", torch.uint8), ("BF16", torch.bfloat16)):
+        member = getattr(trt.DataType, attr, None)
+        if member is not None:
+            table[member] = dtype
+    return table
+
+
+class TRTBackend:
+    """Evaluator backend that runs a serialized TensorRT 10/11 engine.
+
+    ``backend(images)`` takes float images B x 3 x H x W in [0, 1] and returns the raw head output
+    ``(B, 4+nc, A)`` (a tuple ``(pred, protos)`` for segmentation), or for End2End engines a dict with
+    ``num_dets``, ``det_boxes``, ``det_scores``, ``det_classes`` (and ``det_masks``).
+    Device buffers are torch tensors (``_alloc``); the work runs on a private CUDA stream.
+    """
+
+    def __init__(self, engine_path: PathLike, device: str | torch.device = "cuda:0") -> None:
+        self.engine_path = Path(engine_path)
+        if not self.engine_path.is_file():
+            raise QATError(f"engine file {self.engine_path} not found; build it with "
+                           f"scripts/generate_trt_engine.sh ONNX ENGINE (or utils.qat.trt_engine.build_engine).")
+        self.device = self._resolve_device(device)
+        _require_tensorrt()
+        import tensorrt as trt
+        import torch
+        self.meta = read_engine_metadata(self.engine_path)
+        installed = str(trt.__version__)
+        self._logger = trt.Logger(trt.Logger.WARNING)
+        self._runtime = trt.Runtime(self._logger)
+        engine = self._runtime.deserialize_cuda_engine(self.engine_path.read_bytes())
+        if engine is None:
+            built = self.meta.get("tensorrt")
+            if built and _release(built) != _release(installed):
+                raise QATError(f"{self.engine_path} was built by TensorRT {built} but TensorRT {installed} is "
+                               f"installed, and engines only load in the version that built them: rebuild it here "
+                               f"with scripts/generate_trt_engine.sh.")
+            raise QATError(f"TensorRT {installed} could not load {self.engine_path} (built by another TensorRT "
+                           f"version or for another GPU, or not an engine): rebuild it on this machine with "
+                           f"scripts/generate_trt_engine.sh.")
+        self._engine = engine
+        self._context = engine.create_execution_context()
+        dtypes = _torch_dtypes()
+        self.inputs: list[_IO] = []
+        self.outputs: list[_IO] = []
+        for i in range(engine.num_io_tensors):
+            name = engine.get_tensor_name(i)
+            mode = engine.get_tensor_mode(name)
+            trt_dtype = engine.get_tensor_dtype(name)
+            if trt_dtype not in dtypes:
+                raise QATError(f"engine tensor {name!r} has data type {trt_dtype}, which this runner does not "
+                               f"support; re-export the ONNX with float or half inputs/outputs.")
+            shape = _dims(engine.get_tensor_shape(name))
+            if mode == trt.TensorIOMode.INPUT:
+                mn, op, mx = (_dims(d) for d in engine.get_tensor_profile_shape(name, 0)) \
+                    if any(d < 0 for d in shape) else (shape, shape, shape)
+                self.inputs.append(_IO(name, dtypes[trt_dtype], shape, (mn, op, mx)))
+            elif mode == trt.TensorIOMode.OUTPUT:
+                self.outputs.append(_IO(name, dtypes[trt_dtype], shape, None))
+        if len(self.inputs) != 1 or len(self.inputs[0].shape) != 4:
+            raise QATError(f"{self.engine_path} has inputs {[(t.name, list(t.shape)) for t in self.inputs]}; "
+                           f"expected one image input B x 3 x H x W: rebuild it from export_qat.py's ONNX.")
+        if not self.outputs:
+            raise QATError(f"{self.engine_path} has no outputs; rebuild it from export_qat.py's ONNX.")
+        inp = self.inputs[0]
+        assert inp.profile is not None
+        mn, _op, mx = inp.profile
+        self.min_batch, self.max_batch = mn[0], mx[0]
+        self.batch_size: int | None = mn[0] if mn[0] == mx[0] else None
+        self.imgsz: tuple[int, int] | None = (mn[2], mn[3]) if (mn[2], mn[3]) == (mx[2], mx[3]) else None
+        self._hw_range = ((mn[2], mn[3]), (mx[2], mx[3]))
+        self.fp16 = inp.dtype == torch.float16
+        out_names = [o.name for o in self.outputs]
+        self.end2end = all(n in out_names for n in END2END_OUTPUTS)
+        is_seg = "det_masks" in out_names or (not self.end2end and any(len(o.shape) == 4 for o in self.outputs))
+        self.task: str = str(self.meta.get("task") or ("segment" if is_seg else "detect"))
+        names = self.meta.get("names")
+        self.names: dict[int, str] | None = names if isinstance(names, dict) else None
+        stride = self.meta.get("stride")
+        if stride is None:
+            warnings.warn(f"{metadata_path(self.engine_path)} is missing or has no stride; assuming 32 (build the "
+                          f"engine with scripts/generate_trt_engine.sh to record it).", stacklevel=2)
+        self.stride = int(stride or 32)
+        self._stream = self._new_stream()
+
+    # Hooks: the only CUDA-specific steps, kept small so the runner can be exercised on CPU in tests.
+    @staticmethod
+    def _resolve_device(device: str | torch.device) -> torch.device:
+        import torch
+        dev = _cuda_device(device)
+        torch.cuda.set_device(dev)  # TensorRT deserializes and runs on the current CUDA device
+        return dev
+
+    def _new_stream(self) -> Any:
+        import torch
+        return torch.cuda.Stream(device=self.device)
+
+    def _alloc(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        import torch
+        return torch.empty(tuple(shape), dtype=dtype, device=self.device)
+
+    def _wait_for_inputs(self) -> None:
+        import torch
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    # ---------------------------------------------------------------------------------------
+    def check_input(self, batch: int, h: int, w: int) -> None:
+        """Raise a QATError when the engine's profile cannot take images of size h x w."""
+        (hmin, wmin), (hmax, wmax) = self._hw_range
+        if not (hmin <= h <= hmax and wmin <= w <= wmax):
+            built = f"{hmin}x{wmin}" if (hmin, wmin) == (hmax, wmax) else f"{hmin}x{wmin} .. {hmax}x{wmax}"
+            raise QATError(f"{self.engine_path} takes images of {built} but got {h}x{w}: evaluate with --imgsz "
+                           f"{hmax} or rebuild the engine with --imgsz {max(h, w)}.")
+        if batch < 1:
+            raise QATError("got an empty batch of images; check the dataset path.")
+
+    def __call__(self, images: torch.Tensor) -> Output:
+        if images.ndim != 4:
+            raise QATError(f"expected images B x 3 x H x W, got shape {list(images.shape)}.")
+        b, _c, h, w = (int(s) for s in images.shape)
+        self.check_input(b, h, w)
+        chunk = self.max_batch
+        parts = [self._run(images[i:i + chunk]) for i in range(0, b, chunk)]
+        return self._concat(parts) if len(parts) > 1 else parts[0]
+
+    def _run(self, images: torch.Tensor) -> Output:
+        import torch
+        inp = self.inputs[0]
+        n = int(images.shape[0])
+        x = images.to(device=self.device, dtype=inp.dtype)
+        if n < self.min_batch:  # fixed-batch engine: pad the short last batch
+            pad = torch.zeros((self.min_batch - n, *x.shape[1:]), dtype=x.dtype, device=x.device)
+            x = torch.cat([x, pad])
+        x = x.contiguous()
+        ctx = self._context
+        if not ctx.set_input_shape(inp.name, tuple(int(s) for s in x.shape)):
+            raise QATError(f"{self.engine_path} rejected input shape {list(x.shape)} (its profile is "
+                           f"{list(inp.profile[0]) if inp.profile else '?'} .. "
+                           f"{list(inp.profile[2]) if inp.profile else '?'}); rebuild it for this batch/imgsz.")
+        ctx.set_tensor_address(inp.name, int(x.data_ptr()))
+        out: dict[str, torch.Tensor] = {}
+        for o in self.outputs:
+            shape = _dims(ctx.get_tensor_shape(o.name))
+            if any(s < 0 for s in shape):
+                raise QATError(f"TensorRT left output {o.name!r} with unknown shape {list(shape)} (data-dependent "
+                               f"outputs are not supported); re-export without them.")
+            buf = self._alloc(shape, o.dtype)
+            out[o.name] = buf
+            ctx.set_tensor_address(o.name, int(buf.data_ptr()))
+        self._wait_for_inputs()
+        if not ctx.execute_async_v3(int(self._stream.cuda_stream)):
+            raise RuntimeError(f"TensorRT execute_async_v3 failed for {self.engine_path} (see the TensorRT log above)")
+        self._stream.synchronize()
+        res = {k: (v[:n].float() if v.is_floating_point() else v[:n]) for k, v in out.items()}
+        if self.end2end:
+            return res
+        preds = [res[o.name] for o in self.outputs]
+        if self.task == "segment":
+            pred = next((p for p in preds if p.ndim == 3), preds[0])
+            protos = next((p for p in preds if p.ndim == 4), preds[-1])
+            return pred, protos
+        return next((p for p in preds if p.ndim == 3), preds[0])
+
+    @staticmethod
+    def _concat(parts: list[Output]) -> Output:
+        import torch
+        first = parts[0]
+        if isinstance(first, dict):
+            return {k: torch.cat([p[k] for p in parts if isinstance(p, dict)]) for k in first}
+        if isinstance(first, tuple):
+            return tuple(torch.cat([p[i] for p in parts if isinstance(p, tuple)]) for i in range(len(first)))
+        return torch.cat([p for p in parts if isinstance(p, torch.Tensor)])
+
+    def __repr__(self) -> str:
+        return (f"TRTBackend({str(self.engine_path)!r}, batch={self.batch_size or f'1..{self.max_batch}'}, "
+                f"imgsz={self.imgsz}, fp16={self.fp16}, end2end={self.end2end}, task={self.task!r})")
+
+
+if __name__ == "__main__":  # pragma: no cover - manual use: python3 -m utils.qat.trt_engine ONNX ENGINE
+    import argparse
+
+    from utils.qat.errors import run_cli
+
+    ap = argparse.ArgumentParser(description="Build a TensorRT 10/11 engine with the Python API.")
+    ap.add_argument("onnx")
+    ap.add_argument("engine")
+    ap.add_argument("--min", type=int, default=1)
+    ap.add_argument("--opt", type=int, default=None)
+    ap.add_argument("--max", type=int, default=16)
+    ap.add_argument("--imgsz", type=int, default=None)
+    ap.add_argument("--strongly-typed", action="store_true", default=None)
+    ap.add_argument("--fp16-only", action="store_true")
+    ap.add_argument("--workspace", type=float, default=None, help="GiB (default: free GPU memory)")
+    ap.add_argument("--timing-cache", default=None)
+    ap.add_argument("--verbose", action="store_true")
+    a = ap.parse_args()
+    run_cli(lambda: print(build_engine(a.onnx, a.engine, min_batch=a.min, opt_batch=a.opt, max_batch=a.max,
+                                       imgsz=a.imgsz, strongly_typed=a.strongly_typed, int8=not a.fp16_only,
+                                       workspace_gib=a.workspace, timing_cache=a.timing_cache, verbose=a.verbose),
+                          file=sys.stdout))
