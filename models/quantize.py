@@ -118,8 +118,7 @@ def calibrate(model: nn.Module, batches: Iterable[torch.Tensor], info: QuantInfo
             raise QATError("no calibration images were read; check the 'train' entry of the dataset yaml.")
         for q in progress(quantizers, desc="computing amax", leave=False):
             if isinstance(q._calibrator, HistogramCalibrator):
-                kwargs = {"percentile": info.percentile} if info.calib_method == "percentile" else {}
-                q.load_calib_amax(info.calib_method, **kwargs)
+                q.amax = histogram_amax(q._calibrator, info.calib_method, info.percentile).to(images.device)
             else:
                 q.load_calib_amax()
     finally:
@@ -130,6 +129,37 @@ def calibrate(model: nn.Module, batches: Iterable[torch.Tensor], info: QuantInfo
     info.scale_groups = rules.scale_groups(model, example)
     rules.tie_scales(model, info.scale_groups)
     return info
+
+
+def histogram_amax(calibrator: HistogramCalibrator, method: str, percentile: float) -> torch.Tensor:
+    """amax from a collected histogram. MSE is searched here: modelopt 0.47's ``_compute_amax_mse``
+    calls ``fake_tensor_quant`` with its pre-``bias`` signature and returns the first candidate."""
+    if calibrator._calib_hist is None:
+        raise RuntimeError("a quantizer saw no data during calibration")
+    if method == "mse":
+        return mse_amax(calibrator._calib_hist, calibrator._calib_bin_edges, calibrator._num_bits,
+                        calibrator._unsigned)
+    kwargs = {"percentile": percentile} if method == "percentile" else {}
+    return torch.as_tensor(calibrator.compute_amax(method, **kwargs), dtype=torch.float32)
+
+
+def mse_amax(hist, edges, num_bits: int = 8, unsigned: bool = False, start_bin: int = 128) -> torch.Tensor:
+    """The clipping value (a bin centre from ``start_bin`` on) minimising the histogram-weighted
+    squared error of symmetric fake quantization of |x|."""
+    counts = torch.as_tensor(hist).detach().cpu().double().flatten()
+    edges = torch.as_tensor(edges).detach().cpu().double().flatten()
+    centers = (edges[1:] + edges[:-1]) / 2
+    candidates = centers[min(start_bin, len(centers) - 1):]
+    levels = 2 ** num_bits - 1 if unsigned else 2 ** (num_bits - 1) - 1
+    best, best_err = candidates[-1], float("inf")
+    for chunk in candidates.split(256):  # bounded memory: 256 x bins at a time
+        scale = chunk[:, None] / levels
+        quant = torch.clamp(torch.round(centers[None] / scale), max=levels) * scale
+        err = ((quant - centers[None]) ** 2 * counts[None]).sum(1)
+        i = int(err.argmin())
+        if float(err[i]) < best_err:
+            best, best_err = chunk[i], float(err[i])
+    return best.float()
 
 
 # ---- QAT: layer-wise distillation against the frozen FP model ---------------------------------

@@ -34,7 +34,8 @@ def deltas(rows: list[dict], reference: str = "Origin") -> list[dict]:
     for r in rows:
         if r is base:
             continue
-        d = {"name": f"{r['name']} vs {reference}"}
+        label = r["name"] if r["name"].startswith("INT8") else f"INT8 {r['name']}"
+        d = {"name": f"{label} vs {reference}"}
         for c in COLUMNS:
             d[c] = f"{r[c] - base[c]:+.4f}"
         out.append(d)

@@ -1,0 +1,208 @@
+"""Reference results: FP, PTQ (each calibration method), QAT (default, and with the most sensitive
+layer kept FP), INT8 ONNX Runtime evaluation of the exported QAT model, the Q/DQ lint, and the time
+of every stage. Writes results.json, results.md and results.png into --out.
+
+Run from the top of a patched YOLOv9 tree:
+
+    python3 /path/to/yolov9-qat/benchmarks/reference.py --weights gelan-c.pt --data data/coco.yaml \
+        --imgsz 640 --device 0 --out runs/benchmark/gelan-c
+
+--stages picks what runs (default: all): fp, ptq, qat, sensitive, qat_skip, onnx.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+sys.path.insert(0, os.getcwd())
+from utils.qat import compat  # noqa: E402
+
+compat.apply()
+
+import torch  # noqa: E402
+
+import qat  # noqa: E402
+from models.quantize import CALIB_METHODS, DEFAULT_CALIB_METHOD  # noqa: E402
+from utils.qat import __version__, checkpoint, reports  # noqa: E402
+from utils.qat.atomic import write_text  # noqa: E402
+from utils.qat.backends import ORTBackend, TorchBackend  # noqa: E402
+from utils.qat.data import load_data_yaml  # noqa: E402
+from utils.qat.device import select_device  # noqa: E402
+from utils.qat.evaluate import evaluate  # noqa: E402
+
+STAGES = ("fp", "ptq", "qat", "sensitive", "qat_skip", "onnx")
+
+
+def get_args_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--weights", required=True)
+    p.add_argument("--data", required=True)
+    p.add_argument("--imgsz", type=int, default=640)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--device", default="")
+    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--methods", default=",".join(CALIB_METHODS), help="calibration methods for the PTQ table")
+    p.add_argument("--calib-method", default=DEFAULT_CALIB_METHOD, help="method used for QAT")
+    p.add_argument("--calib-batches", type=int, default=25)
+    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--num-image", type=int, default=None, help="images for the sensitivity analysis")
+    p.add_argument("--onnx-device", default="cpu", help="ONNX Runtime device (cpu or cuda:0)")
+    p.add_argument("--stages", default=",".join(STAGES))
+    p.add_argument("--out", required=True)
+    p.add_argument("--title", default=None)
+    return p
+
+
+class Bench:
+    def __init__(self, args):
+        self.args = args
+        self.out = Path(args.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.path = self.out / "results.json"
+        self.results = json.loads(self.path.read_text()) if self.path.exists() else {"rows": {}, "timings": {}, "epochs": {}}
+        self.results["machine"] = machine(args.device)
+
+    @contextmanager
+    def timed(self, stage: str):
+        start = time.time()
+        print(f"\n==> {stage}", flush=True)
+        yield
+        self.results["timings"][stage] = round(time.time() - start, 1)
+        self.save()
+
+    def row(self, name: str, metrics, **extra):
+        self.results["rows"][name] = reports.entry(name, extra.pop("weights", None), metrics, metrics.seconds, **extra)
+        self.save()
+
+    def save(self):
+        write_text(self.path, json.dumps(self.results, indent=2))
+        write_text(self.out / "results.md", render(self.results, self.args.title or Path(self.args.weights).name))
+
+
+def machine(device: str) -> dict:
+    import modelopt
+    import onnxruntime
+    info = {"python": platform.python_version(), "torch": torch.__version__, "modelopt": modelopt.__version__,
+            "onnxruntime": onnxruntime.__version__, "yolov9_qat": __version__, "cpu": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count()}
+    if torch.cuda.is_available() and device != "cpu":
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def render(results: dict, title: str) -> str:
+    rows = list(results["rows"].values())
+    origin = results["rows"].get("Origin")
+    lines = [f"# Reference results: {title}", "", "## Evaluation results", "", reports.table(rows)]
+    if origin:
+        diff = [{"name": f"{r['name']} vs Origin", **{c: f"{r[c] - origin[c]:+.4f}" for c in reports.COLUMNS}}
+                for r in rows if r is not origin]
+        lines += ["", "## Evaluation comparison", "", reports.table(diff, first="Comparison")]
+    if results["timings"]:
+        lines += ["", "## Time per stage", "", "| Stage | seconds |", "|---|---|"]
+        lines += [f"| {k} | {v} |" for k, v in results["timings"].items()]
+    for name, epochs in results.get("epochs", {}).items():
+        if epochs:
+            lines += ["", f"QAT epochs ({name}): " + ", ".join(f"{e['epoch']}: AP {e['AP']:.4f} ({e['train_seconds']} s)" for e in epochs)]
+    m = results.get("machine", {})
+    lines += ["", "## Machine", "", ", ".join(f"{k} {v}" for k, v in m.items())]
+    return "\n".join(lines) + "\n"
+
+
+def qat_cli(args, *extra: str):
+    argv = ["quantize", "--weights", args.weights, "--data", args.data, "--imgsz", str(args.imgsz),
+            "--batch-size", str(args.batch_size), "--workers", str(args.workers), "--epochs", str(args.epochs),
+            "--iters", str(args.iters), "--lr", str(args.lr), "--calib-method", args.calib_method,
+            "--calib-batches", str(args.calib_batches), "--project", str(Path(args.out) / "runs"), "--exist-ok",
+            "--no-eval-origin"]
+    if args.device:
+        argv += ["--device", args.device]
+    return qat.main(qat.get_args_parser().parse_args(argv + list(extra)))
+
+
+def main(args) -> None:
+    stages = set(args.stages.split(","))
+    bench = Bench(args)
+    device = select_device(args.device)
+    data = load_data_yaml(args.data, splits=("train", "val"))
+    common = dict(imgsz=args.imgsz, batch_size=args.batch_size, workers=args.workers)
+
+    if "fp" in stages:
+        with bench.timed("eval FP"):
+            fp = checkpoint.load_fp(args.weights)
+            from models.quantize import fuse
+            bench.row("Origin", evaluate(TorchBackend(fuse(fp), device), data, desc="Origin", **common))
+
+    if "ptq" in stages:
+        ns = argparse.Namespace(**{**vars(args), "percentile": 99.99})
+        fp = checkpoint.load_fp(args.weights)
+        for method in args.methods.split(","):
+            ns.calib_method = method
+            with bench.timed(f"calibrate {method}"):
+                qmodel, _ = qat._calibrated(fp, data, ns, device)
+            with bench.timed(f"eval PTQ {method}"):
+                bench.row(f"PTQ {method}", evaluate(TorchBackend(qmodel, device), data, desc=f"PTQ {method}", **common))
+            del qmodel
+            torch.cuda.empty_cache() if torch.cuda.is_available() else None
+
+    def qat_run(name: str, *extra: str):
+        with bench.timed(f"QAT {name} (calibration, {args.epochs} epochs, evaluations)"):
+            run = qat_cli(args, "--name", name, *extra)
+        report = json.loads((run / "report.json").read_text())
+        for r in report["models"]:
+            if r["name"] in ("PTQ", "QAT"):
+                label = f"{'PTQ ' + args.calib_method if r['name'] == 'PTQ' else 'QAT'}{'' if name == 'qat' else ' (' + name + ')'}"
+                bench.results["rows"][label] = {**r, "name": label}
+        bench.results["epochs"][name] = report["epochs"]
+        bench.save()
+        return run
+
+    if "qat" in stages:
+        qat_run("qat")
+
+    if "sensitive" in stages:
+        with bench.timed("sensitivity analysis"):
+            argv = ["sensitive", "--weights", args.weights, "--data", args.data, "--imgsz", str(args.imgsz),
+                    "--batch-size", str(args.batch_size), "--workers", str(args.workers), "--calib-method",
+                    args.calib_method, "--project", str(Path(args.out) / "runs"), "--name", "sensitive", "--exist-ok"]
+            argv += ["--device", args.device] if args.device else []
+            argv += ["--num-image", str(args.num_image)] if args.num_image else []
+            run = qat.main(qat.get_args_parser().parse_args(argv))
+        summary = json.loads((run / "summary-sensitive-analysis.json").read_text())
+        bench.results["sensitive"] = {"top": summary["layers"][:5], "ptq_AP": summary["ptq_AP"]}
+        bench.save()
+
+    if "qat_skip" in stages:
+        top = bench.results.get("sensitive", {}).get("top")
+        if top:
+            qat_run(f"skip{top[0]['layer']}", "--skip-layers", str(top[0]["layer"]))
+
+    if "onnx" in stages:
+        from utils.qat.onnx_export import export_onnx
+        from utils.qat.onnx_qdq import lint
+        best = Path(args.out) / "runs" / "qat" / "weights" / f"qat_best_{Path(args.weights).stem}.pt"
+        model, info, ckpt = checkpoint.load_quantized(best)
+        onnx_path = best.with_suffix(".onnx")
+        with bench.timed("export Q/DQ ONNX"):
+            export_onnx(model, onnx_path, imgsz=(args.imgsz, args.imgsz), dynamic=True, simplify=True,
+                        metadata={"stride": int(model.stride.max()), "names": json.dumps(model.names), "task": "detect"})
+        findings = lint(onnx_path, allow_fp=["*dfl*"])
+        bench.results["lint"] = {"total": findings["total"], "findings": {k: v["count"] for k, v in findings["findings"].items()},
+                                 "stats": findings["stats"]}
+        with bench.timed("eval INT8 ONNX Runtime"):
+            m = evaluate(ORTBackend(onnx_path, args.onnx_device), data, desc="INT8 ONNX Runtime", **common)
+            bench.row("INT8 ONNX Runtime (QAT)", m, weights=onnx_path)
+    bench.save()
+    print(render(bench.results, args.title or Path(args.weights).name))
+
+
+if __name__ == "__main__":
+    main(get_args_parser().parse_args())

@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# The toolkit's main job end to end, on the embedded model and dataset, on a CPU, in minutes:
+#   YOLOv9 tree -> patch -> shapes dataset -> PTQ calibration + short QAT -> Origin/PTQ/QAT evaluation
+#   -> Q/DQ ONNX export + lint -> ONNX Runtime evaluation of the INT8 ONNX -> comparison table.
+#
+#   ./scripts/quickstart.sh [WORK_DIR]        (default: ./quickstart)
+#
+# The YOLOv9 tree comes from $YOLOV9_DIR, or is cloned from GitHub when the network allows.
+# Knobs (environment): QS_ITERS (QAT batches, default 24), QS_EPOCHS (1), QS_DEVICE (cpu).
+set -euo pipefail
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)
+WORK=$(mkdir -p "${1:-quickstart}" && cd "${1:-quickstart}" && pwd -P)
+ITERS=${QS_ITERS:-24}
+EPOCHS=${QS_EPOCHS:-1}
+DEVICE=${QS_DEVICE:-cpu}
+PY=${PYTHON:-python3}
+WEIGHTS=$REPO/weights/gelan-qs-shapes.pt
+TREE=$WORK/yolov9
+RUN=$WORK/runs/quickstart
+IMGSZ=256
+
+say() { printf '\n==> %s\n' "$*"; }
+die() { echo "error: $*" >&2; exit 1; }
+
+say "1/6 YOLOv9 tree"
+if [ -d "$TREE" ] && [ -f "$TREE/.yolov9-qat-manifest" ]; then
+    echo "reusing $TREE"
+elif [ -n "${YOLOV9_DIR:-}" ]; then
+    [ -f "$YOLOV9_DIR/models/yolo.py" ] || die "YOLOV9_DIR=$YOLOV9_DIR is not a YOLOv9 tree (no models/yolo.py); point it at a clone."
+    echo "copying YOLOV9_DIR=$YOLOV9_DIR to $TREE"
+    rm -rf "$TREE" && mkdir -p "$TREE" && cp -a "$YOLOV9_DIR/." "$TREE/"
+    chmod -R u+w "$TREE"
+else
+    echo "YOLOV9_DIR is not set: cloning github.com/WongKinYiu/yolov9"
+    timeout 120 git clone --depth 1 -q https://github.com/WongKinYiu/yolov9.git "$TREE" \
+        || die "cloning YOLOv9 failed (no network?); set YOLOV9_DIR to a YOLOv9 clone and run again."
+fi
+
+say "2/6 patch the tree with the yolov9-qat overlay"
+bash "$REPO/patch_yolov9.sh" "$TREE"
+
+say "3/6 embedded shapes dataset (deterministic, seed 0)"
+if [ -f "$WORK/shapes/shapes.yaml" ]; then
+    echo "reusing $WORK/shapes"
+else
+    "$PY" "$REPO/scripts/make_shapes_dataset.py" --out "$WORK/shapes" --seed 0
+fi
+DATA=$WORK/shapes/shapes.yaml
+
+cd "$TREE"
+say "4/6 PTQ calibration + QAT ($EPOCHS epoch(s) x $ITERS batches) of the embedded model, evaluated at each stage"
+"$PY" qat.py quantize --weights "$WEIGHTS" --data "$DATA" --hyp data/hyps/hyp.scratch-high.yaml \
+    --imgsz $IMGSZ --batch-size 16 --device "$DEVICE" --workers 2 --calib-batches 8 --calib-method percentile \
+    --epochs "$EPOCHS" --iters "$ITERS" --lr 1e-4 --project "$WORK/runs" --name quickstart --exist-ok
+QAT=$RUN/weights/qat_best_gelan-qs-shapes.pt
+
+say "5/6 Q/DQ ONNX export + lint"
+"$PY" export_qat.py --weights "$QAT" --include onnx --simplify --imgsz $IMGSZ --device cpu
+ONNX=${QAT%.pt}.onnx
+
+say "6/6 INT8 ONNX Runtime evaluation of the exported graph"
+"$PY" val_trt.py --onnx "$ONNX" --backend onnxruntime --data "$DATA" --imgsz $IMGSZ --batch-size 16 \
+    --workers 2 --project "$WORK/runs" --name quickstart-onnx --exist-ok \
+    --report "$RUN/report.json" --report-name "INT8 ONNX Runtime"
+
+say "done"
+cat "$RUN/report.md"
+cat <<EOF
+
+Files:
+  $RUN/report.md, report.json, qat_ap.png     the comparison (Origin / PTQ / QAT / INT8 ONNX Runtime)
+  $RUN/weights/                               PTQ and QAT checkpoints
+  $ONNX                                       the INT8 Q/DQ ONNX for TensorRT
+
+Next, on your own model (from the top of a patched YOLOv9 tree):
+  python3 qat.py quantize --weights yolov9-c-converted.pt --data data/coco.yaml --hyp data/hyps/hyp.scratch-high.yaml --device 0
+  python3 export_qat.py --weights runs/qat/exp/weights/qat_best_yolov9-c-converted.pt --include onnx --dynamic --simplify
+  ./scripts/val_trt.sh runs/qat/exp/weights/qat_best_yolov9-c-converted.pt data/coco.yaml 640   (needs TensorRT)
+EOF
