@@ -58,6 +58,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--stages", default=",".join(STAGES))
     p.add_argument("--out", required=True)
     p.add_argument("--title", default=None)
+    p.add_argument("--render-only", action="store_true", help="only re-render results.md/png from results.json")
     return p
 
 
@@ -68,7 +69,8 @@ class Bench:
         self.out.mkdir(parents=True, exist_ok=True)
         self.path = self.out / "results.json"
         self.results = json.loads(self.path.read_text()) if self.path.exists() else {"rows": {}, "timings": {}, "epochs": {}}
-        self.results["machine"] = machine(args.device)
+        if not args.render_only:
+            self.results["machine"] = machine(args.device)
 
     @contextmanager
     def timed(self, stage: str):
@@ -85,6 +87,47 @@ class Bench:
     def save(self):
         write_text(self.path, json.dumps(self.results, indent=2))
         write_text(self.out / "results.md", render(self.results, self.args.title or Path(self.args.weights).name))
+        if self.results["rows"]:
+            plot(self.results, self.out / "results.png", self.args.title or Path(self.args.weights).name)
+
+
+def plot(results: dict, path: Path, title: str) -> None:
+    """Left: AP per QAT epoch with the Origin and PTQ levels. Right: INT8 - Origin AP per model."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from utils.qat.atomic import atomic_path
+    rows = results["rows"]
+    origin = rows.get("Origin")
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6), dpi=120)
+    for name, epochs in results.get("epochs", {}).items():
+        if epochs:
+            left.plot([e["epoch"] for e in epochs], [e["AP"] for e in epochs], "o-", ms=3,
+                      label=f"QAT ({'default' if name == 'qat' else name})")
+    if origin:
+        left.axhline(origin["AP"], color="gray", linestyle="--", label="Origin (FP)")
+    ptq = [r for n, r in rows.items() if n.startswith("PTQ") and "(" not in n]
+    if ptq:
+        best = max(ptq, key=lambda r: r["AP"])
+        left.axhline(best["AP"], color="tab:orange", linestyle=":", label=f"best {best['name']}")
+    left.set_xlabel("QAT epoch")
+    left.set_ylabel("mAP50-95")
+    left.grid(alpha=0.3)
+    left.legend(fontsize=7)
+    if origin:
+        others = [r for r in rows.values() if r is not origin]
+        deltas = [r["AP"] - origin["AP"] for r in others]
+        right.barh([r["name"] for r in others], deltas, color=["tab:green" if d >= -0.002 else "tab:red" for d in deltas])
+        right.axvline(0, color="black", linewidth=0.8)
+        right.axvline(-0.002, color="gray", linestyle=":", linewidth=0.8)
+        right.set_xlabel("AP - Origin AP (mAP50-95)")
+        right.tick_params(axis="y", labelsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
+    plt.close(fig)
 
 
 def machine(device: str) -> dict:
@@ -131,6 +174,9 @@ def qat_cli(args, *extra: str):
 def main(args) -> None:
     stages = set(args.stages.split(","))
     bench = Bench(args)
+    if args.render_only:
+        bench.save()
+        return
     device = select_device(args.device)
     data = load_data_yaml(args.data, splits=("train", "val"))
     common = dict(imgsz=args.imgsz, batch_size=args.batch_size, workers=args.workers)

@@ -15,6 +15,9 @@ def atomic_path(dest: str | os.PathLike) -> Iterator[Path]:
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent)
     os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; the result should have the usual permissions
     tmp = Path(tmp)
     try:
         yield tmp

@@ -1,0 +1,128 @@
+"""Export a YOLOv9 checkpoint (quantized by qat.py, or floating point) to ONNX for TensorRT.
+
+    python3 export_qat.py --weights runs/qat/yolov9_qat/weights/qat_best_yolov9-c.pt --include onnx --dynamic --simplify --inplace
+    python3 export_qat.py --weights runs/qat/yolov9_qat/weights/qat_best_yolov9-c.pt --include onnx_end2end
+    python3 export_qat.py --weights yolov9-c-converted.pt --include onnx --half      # the FP16 baseline
+
+--include onnx          W.onnx: input `images` (B x 3 x H x W), output `output0` (B x (4 + classes) x anchors;
+                        `output1` prototypes for segmentation), Q/DQ nodes for quantized checkpoints.
+--include onnx_end2end  W-end2end.onnx: NMS inside, outputs num_dets, det_boxes, det_scores, det_classes
+                        (segmentation: det_masks); --nms trt (EfficientNMS_TRT plugin, default) or
+                        --nms onnx (standard NonMaxSuppression: TensorRT's native NMS layer, and ONNX Runtime).
+--half                  the floating-point parts of the graph in FP16 (TensorRT 11 builds strongly typed
+                        networks and takes FP16 from the ONNX); Q/DQ, inputs and outputs stay FP32.
+--inplace               accepted for upstream export.py compatibility: sets the Detect head's `inplace`
+                        attribute (YOLOv9's heads compute the same either way).
+--check / --no-check    Q/DQ lint of the result (on by default for quantized checkpoints); findings that
+                        would stop TensorRT from fusing Q/DQ are printed and make the exit status non-zero.
+"""
+from __future__ import annotations
+
+from utils.qat import compat
+
+compat.apply()
+
+import argparse  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from utils.qat.errors import QATError, run_cli  # noqa: E402
+
+INCLUDE = {"onnx": ".onnx", "onnx_end2end": "-end2end.onnx"}
+NMS_BACKENDS = ("trt", "onnx")
+
+
+def get_args_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="export_qat.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--weights", required=True, help="checkpoint (.pt): quantized (qat.py) or floating point")
+    p.add_argument("--include", nargs="+", default=["onnx"], choices=sorted(INCLUDE), metavar="FORMAT",
+                   help=f"what to export: {', '.join(sorted(INCLUDE))} (default: onnx)")
+    p.add_argument("--imgsz", "--img", "--img-size", dest="imgsz", nargs="+", type=int, default=[640],
+                   help="image size: N or H W (default: 640)")
+    p.add_argument("--batch-size", type=int, default=1,
+                   help="batch size of the graph (with --dynamic: the batch it is traced with)")
+    p.add_argument("--device", default="cpu", help="cpu, 0 or cuda:0 (default: cpu)")
+    p.add_argument("--dynamic", action="store_true", help="dynamic batch, height and width")
+    p.add_argument("--simplify", action="store_true", help="simplify with onnxslim (Q/DQ nodes preserved)")
+    p.add_argument("--opset", type=int, default=17, help="ONNX opset (default: 17)")
+    p.add_argument("--half", action="store_true", help="FP16 for the non-quantized parts of the graph")
+    p.add_argument("--inplace", action="store_true",
+                   help="set the Detect head's inplace attribute (upstream export.py's flag; same graph either way)")
+    p.add_argument("--check", action=argparse.BooleanOptionalAction, default=None,
+                   help="Q/DQ lint of the result, non-zero exit on findings (default: on for quantized checkpoints)")
+    e = p.add_argument_group("End2End (--include onnx_end2end)")
+    e.add_argument("--nms", choices=NMS_BACKENDS, default="trt",
+                   help="trt: EfficientNMS_TRT plugin (default); onnx: standard NonMaxSuppression")
+    e.add_argument("--topk-all", type=int, default=100, help="detections kept per image (default: 100)")
+    e.add_argument("--iou-thres", type=float, default=0.45, help="NMS IoU threshold (default: 0.45)")
+    e.add_argument("--conf-thres", type=float, default=0.25, help="score threshold (default: 0.25)")
+    e.add_argument("--class-agnostic", action="store_true", help="one NMS over all classes")
+    e.add_argument("--mask-resolution", type=int, default=56, help="segmentation: mask size in pixels (default: 56)")
+    e.add_argument("--pooler-scale", type=float, default=0.25,
+                   help="segmentation: prototype size / input size (default: 0.25)")
+    e.add_argument("--sampling-ratio", type=int, default=0, help="segmentation: ROIAlign sampling ratio (0: adaptive)")
+    return p
+
+
+def output_path(weights: Path, include: str) -> Path:
+    return weights.with_name(weights.stem + INCLUDE[include])
+
+
+def main(args: argparse.Namespace) -> list[dict]:
+    from utils.qat import checkpoint
+    from utils.qat.device import select_device
+    from utils.qat.onnx_export import export_onnx, format_report, load_for_export, parse_imgsz
+    weights = Path(args.weights)
+    if "onnx_end2end" in args.include:  # cheap argument checks before the (slow) model load
+        from utils.qat.end2end import NMSOptions
+        NMSOptions(backend=args.nms, topk_all=args.topk_all, iou_thres=args.iou_thres, conf_thres=args.conf_thres,
+                   mask_resolution=args.mask_resolution, pooler_scale=args.pooler_scale,
+                   sampling_ratio=args.sampling_ratio).check()
+    if args.batch_size < 1:
+        raise QATError(f"--batch-size must be at least 1, got {args.batch_size}.")
+    if len(args.imgsz) > 2:
+        raise QATError(f"--imgsz takes one or two sizes (N or H W), got {' '.join(map(str, args.imgsz))}.")
+    ckpt = checkpoint.read(weights)
+    task = checkpoint.task_of(ckpt)
+    if "onnx_end2end" in args.include and task not in ("detect", "segment"):
+        raise QATError(f"{weights} holds a {task} model: End2End export (NMS in the graph) needs a detection or "
+                       f"segmentation model; use --include onnx.")
+    model, task, quantized, fp_patterns = load_for_export(weights, ckpt)
+    del ckpt
+    stride = int(max(model.stride.tolist())) if hasattr(model, "stride") else 32
+    imgsz = parse_imgsz(args.imgsz, stride, flag="--imgsz")
+    device = select_device(args.device)
+    check = quantized if args.check is None else args.check
+    print(f"{weights}: {'quantized (INT8 Q/DQ)' if quantized else 'floating-point'} {task} model, "
+          f"{imgsz[0]}x{imgsz[1]}, batch {'dynamic' if args.dynamic else args.batch_size}")
+    reports = []
+    for include in dict.fromkeys(args.include):
+        end2end = None
+        if include == "onnx_end2end":
+            end2end = dict(backend=args.nms, topk_all=args.topk_all, iou_thres=args.iou_thres,
+                           conf_thres=args.conf_thres, class_agnostic=args.class_agnostic,
+                           mask_resolution=args.mask_resolution, pooler_scale=args.pooler_scale,
+                           sampling_ratio=args.sampling_ratio)
+        report = export_onnx(model, output_path(weights, include), imgsz=imgsz, batch_size=args.batch_size,
+                             dynamic=args.dynamic, opset=args.opset, simplify=args.simplify, half=args.half,
+                             end2end=end2end, task=task, device=device, inplace=True if args.inplace else None,
+                             allow_fp=fp_patterns, metadata={"source": weights.name})
+        print(format_report(report))
+        if report["simplify"].startswith("failed"):
+            print(f"notice: simplification failed, {report['path']} is the unsimplified graph "
+                  f"({report['simplify'].removeprefix('failed: ').split(';')[0]}).")
+        if check and not quantized:
+            print("  Q/DQ lint: skipped (a floating-point model has no Q/DQ nodes)")
+        reports.append(report)
+    if check:
+        bad = [r for r in reports if r["lint"] is not None and r["lint"]["total"]]
+        if bad:
+            total = sum(r["lint"]["total"] for r in bad)
+            raise QATError(f"the Q/DQ lint found {total} TensorRT fusion blocker{'s' if total != 1 else ''} in "
+                           f"{', '.join(Path(r['path']).name for r in bad)} (listed above); the file was written, "
+                           f"fix the quantization (qat.py) or pass --no-check to accept it.")
+    return reports
+
+
+if __name__ == "__main__":
+    run_cli(lambda: main(get_args_parser().parse_args()))

@@ -1,0 +1,585 @@
+"""ONNX export (export_qat.py, export_yoloV9.py), End2End NMS graphs and val_trt.py on ONNX Runtime, on CPU.
+
+The reference model (GELAN-C) is exported floating point and quantized (calibrated once per module, 'max'
+on 4 images at 160 px) in every mode; each graph is run by ONNX Runtime on real images and compared with
+PyTorch. EfficientNMS_TRT graphs are checked structurally (no CPU runtime implements the plugin).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from conftest import run_tool
+from helpers import TINY_GELAN, build, real_images
+
+ort = pytest.importorskip("onnxruntime")
+
+IMGSZ = 160
+E2E_OUTPUTS = ["num_dets", "det_boxes", "det_scores", "det_classes"]
+
+
+# ---------------------------------------------------------------------------------------------
+# fixtures: models, checkpoints and images made once per module
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory, gelan_c):
+    """A folder with the FP reference checkpoint linked in (exports land next to the weights)."""
+    d = tmp_path_factory.mktemp("export")
+    (d / "gelan-c.pt").symlink_to(gelan_c)
+    return d
+
+
+@pytest.fixture(scope="module")
+def images(shared):
+    return real_images(shared / "datasets" / "coco334" / "images" / "val2017", 2, IMGSZ)
+
+
+@pytest.fixture(scope="module")
+def fp_model(yolov9_tree, gelan_c):
+    from utils.qat.onnx_export import load_for_export
+    model, task, quantized, _ = load_for_export(gelan_c)
+    assert task == "detect" and not quantized
+    return model
+
+
+@pytest.fixture(scope="module")
+def qat_ckpt(yolov9_tree, work, gelan_c, shared):
+    """A quantized checkpoint of GELAN-C (PTQ 'max' on 4 real images at 160 px), written once."""
+    from models.quantize import calibrate, prepare
+    from utils.qat import checkpoint
+    fp = checkpoint.load_fp(gelan_c)
+    calib = real_images(shared / "datasets" / "coco369" / "images" / "train2017", 4, IMGSZ)
+    qmodel, info = prepare(fp, method="max")
+    calibrate(qmodel, [calib[:2], calib[2:]], info, example=calib[:1])
+    qmodel.names = fp.names
+    return checkpoint.save_quantized(work / "qat_gelan-c.pt", qmodel, info)
+
+
+@pytest.fixture(scope="module")
+def qat_model(qat_ckpt):
+    from utils.qat.onnx_export import load_for_export
+    model, task, quantized, fp_patterns = load_for_export(qat_ckpt)
+    assert quantized and task == "detect"
+    return model, fp_patterns
+
+
+@pytest.fixture(scope="module")
+def fp_dynamic(fp_model, work):
+    from utils.qat.onnx_export import export_onnx
+    out = work / "fp-dynamic.onnx"
+    export_onnx(fp_model, out, imgsz=IMGSZ, dynamic=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def qat_plain_cli(yolov9_tree, qat_ckpt):
+    """export_qat.py --include onnx --dynamic --simplify --inplace (the reference README's command), run once."""
+    r = run_tool(yolov9_tree, "export_qat.py", "--weights", str(qat_ckpt), "--include", "onnx", "--dynamic",
+                 "--simplify", "--inplace", "--imgsz", str(IMGSZ))
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r, qat_ckpt.with_suffix(".onnx")
+
+
+def _run(path, x: torch.Tensor) -> dict[str, np.ndarray]:
+    s = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    names = [o.name for o in s.get_outputs()]
+    return dict(zip(names, s.run(None, {s.get_inputs()[0].name: x.numpy()})))
+
+
+@torch.no_grad()
+def _torch(model, x: torch.Tensor) -> np.ndarray:
+    from utils.qat.backends import main_output
+    return main_output(model(x)).numpy()
+
+
+def _io(path) -> tuple[dict, dict]:
+    m = onnx.load(str(path), load_external_data=False)
+    inits = {t.name for t in m.graph.initializer}
+
+    def dims(v):
+        return [d.dim_value if d.HasField("dim_value") else d.dim_param for d in v.type.tensor_type.shape.dim]
+    ins = {v.name: (dims(v), v.type.tensor_type.elem_type) for v in m.graph.input if v.name not in inits}
+    outs = {v.name: (dims(v), v.type.tensor_type.elem_type) for v in m.graph.output}
+    return ins, outs
+
+
+def _meta(path) -> dict:
+    return {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}
+
+
+def _confident_box_diff(got: np.ndarray, ref: np.ndarray, conf: float = 0.25) -> float:
+    """Max |box difference| (pixels) over anchors PyTorch scores above ``conf``."""
+    mask = ref[:, 4:].max(1) > conf  # B, A
+    assert mask.any(), "no confident anchors on the test images"
+    return float(np.abs(got[:, :4] - ref[:, :4]).transpose(0, 2, 1)[mask].max())
+
+
+def _no_partial_files(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.endswith(".part"))
+
+
+# ---------------------------------------------------------------------------------------------
+# plain exports
+# ---------------------------------------------------------------------------------------------
+
+def test_fp_static_export_matches_pytorch(fp_model, work, images):
+    from utils.qat.onnx_export import export_onnx
+    out = work / "fp-static.onnx"
+    rep = export_onnx(fp_model, out, imgsz=IMGSZ, batch_size=2, metadata={"source": "gelan-c.pt"})
+    ins, outs = _io(out)
+    assert ins == {"images": ([2, 3, IMGSZ, IMGSZ], onnx.TensorProto.FLOAT)}
+    assert outs == {"output0": ([2, 84, 525], onnx.TensorProto.FLOAT)}
+    assert rep["opset"] == 17 and not rep["quantized"] and rep["qdq_pairs"] == 0 and rep["lint"] is None
+    meta = _meta(out)
+    assert meta["stride"] == "32" and meta["task"] == "detect" and meta["quantized"] == "false"
+    assert json.loads(meta["names"])["0"] == "person" and json.loads(meta["imgsz"]) == [IMGSZ, IMGSZ]
+    assert meta["source"] == "gelan-c.pt" and meta["version"]
+    diff = np.abs(_run(out, images)["output0"] - _torch(fp_model, images))
+    print(f"FP static: max |ORT - PyTorch| boxes {diff[:, :4].max():.2e} px, scores {diff[:, 4:].max():.2e}")
+    assert diff[:, :4].max() < 2e-3 and diff[:, 4:].max() < 1e-4
+    # the head was put back the way it was
+    head = fp_model.model[-1]
+    assert "export" not in head.__dict__ and type(head).export is False
+
+
+def test_fp_dynamic_export_runs_at_two_sizes(fp_model, fp_dynamic, images):
+    out = fp_dynamic
+    ins, outs = _io(out)
+    assert ins["images"][0] == ["batch", 3, "height", "width"]
+    assert outs["output0"][0] == ["batch", 84, "anchors"]
+    for x in (images, torch.nn.functional.interpolate(images[:1], size=(128, 224), mode="bilinear")):
+        got, ref = _run(out, x)["output0"], _torch(fp_model, x)
+        assert got.shape == ref.shape
+        assert np.abs(got - ref).max() < 2e-3, x.shape
+
+
+def test_qat_reference_command_plain(qat_plain_cli, qat_model, images):
+    """export_qat.py --include onnx --dynamic --simplify --inplace (the reference README's command)."""
+    r, out = qat_plain_cli
+    assert out.is_file() and str(out) in r.stdout
+    assert "Q/DQ pairs" in r.stdout and "Q/DQ lint: clean" in r.stdout and "simplify: done" in r.stdout
+    ins, outs = _io(out)
+    assert ins["images"][0] == ["batch", 3, "height", "width"] and outs["output0"][0] == ["batch", 84, "anchors"]
+    from utils.qat import onnx_qdq
+    model = onnx.load(str(out))
+    assert onnx_qdq.lint(model)["total"] == 0
+    s = onnx_qdq.qdq_summary(model)
+    assert s["opset"] == 17 and s["quantized_conv"] == s["conv"] - 1  # every conv but the DFL's
+    assert s["qdq_pairs"] > 100 and s["dequantize_linear"] == s["qdq_pairs"] + s["quantized_conv"]
+    assert _meta(out)["quantized"] == "true"
+    # weights are stored as INT8, exactly the integers PyTorch's fake quantization uses
+    from onnx import numpy_helper
+    from utils.qat.onnx_export import quantized_weights
+    qmodel, _ = qat_model
+    fake = quantized_weights(qmodel)
+    inits = {t.name: t for t in model.graph.initializer}
+    int8 = {n: t for n, t in inits.items() if t.data_type == onnx.TensorProto.INT8 and n.endswith(".weight_int8")}
+    assert len(int8) == s["quantized_conv"]
+    for dq in (n for n in model.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in int8):
+        k = numpy_helper.to_array(int8[dq.input[0]]).astype(np.float32)
+        scale = numpy_helper.to_array(inits[dq.input[1]])
+        w = fake[dq.input[0].removeprefix("model.").removesuffix("_int8")]
+        assert np.abs(k * scale.reshape(-1, *[1] * (k.ndim - 1)) - w).max() <= 1e-6 * np.abs(w).max()
+    qmodel, _ = qat_model
+    for x in (images, torch.nn.functional.pad(images, (32, 32, 0, 0), value=0.5)):  # 160x160, 160x224
+        got, ref = _run(out, x)["output0"], _torch(qmodel, x)
+        assert got.shape == ref.shape
+        box = _confident_box_diff(got, ref)
+        print(f"INT8 {tuple(x.shape)}: max |ORT - fake-quant| all {np.abs(got - ref).max():.3f}, boxes of "
+              f"confident anchors {box:.3f} px, scores {np.abs(got - ref)[:, 4:].max():.4f}")
+        # A value on a rounding boundary can quantize one level apart in ORT and PyTorch (FP32 summation order
+        # differs); such flips cascade through ~50 quantized layers: typically far below a pixel, at most a few.
+        assert box < 5.0 and np.abs(got - ref)[:, 4:].max() < 0.15
+        confident = ref[:, 4:].max(1) > 0.25
+        assert np.median(np.abs(got - ref)[:, :4].transpose(0, 2, 1)[confident]) < 1.0
+
+
+def test_half_fp_and_qat(fp_model, qat_model, work, images):
+    from utils.qat.onnx_export import export_onnx
+    qmodel, fp_patterns = qat_model
+    for name, model, kw in (("fp", fp_model, {}), ("qat", qmodel, {"allow_fp": fp_patterns})):
+        full, half = work / f"{name}-fp32.onnx", work / f"{name}-fp16.onnx"
+        export_onnx(model, full, imgsz=IMGSZ, batch_size=2, **kw)
+        rep = export_onnx(model, half, imgsz=IMGSZ, batch_size=2, half=True, **kw)
+        assert rep["half"] and _meta(half)["half"] == "true"
+        m = onnx.load(str(half))
+        ins, outs = _io(half)
+        assert ins["images"][1] == outs["output0"][1] == onnx.TensorProto.FLOAT  # I/O stay FP32
+        conv_w = [t for t in m.graph.initializer if t.dims and len(t.dims) == 4]
+        q_scale_inputs = {n.input[1] for n in m.graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")}
+        f16 = [t for t in m.graph.initializer if t.data_type == onnx.TensorProto.FLOAT16]
+        assert f16, "no FP16 initializers"
+        if name == "fp":
+            assert all(t.data_type == onnx.TensorProto.FLOAT16 for t in conv_w)
+            assert os.path.getsize(half) < 0.6 * os.path.getsize(full)
+        else:
+            assert rep["lint"]["total"] == 0 and rep["int8_weights"] == rep["quantized_conv"] > 100
+            scales = [t for t in m.graph.initializer if t.name in q_scale_inputs]
+            consts = [n for n in m.graph.node if n.op_type == "Constant" and n.output[0] in q_scale_inputs]
+            assert all(t.data_type == onnx.TensorProto.FLOAT for t in scales)
+            assert all(a.t.data_type == onnx.TensorProto.FLOAT for n in consts for a in n.attribute)
+        ref = _run(full, images)["output0"]
+        got = _run(half, images)["output0"]
+        box = _confident_box_diff(got, ref)
+        print(f"{name} FP16 vs FP32 graph: boxes of confident anchors {box:.3f} px, scores "
+              f"{np.abs(got - ref)[:, 4:].max():.4f}")
+        if name == "fp":
+            assert box < 1.0 and np.abs(got - ref)[:, 4:].max() < 0.01
+        else:  # FP16 rounding moves some activations across an INT8 rounding boundary: flips cascade
+            assert box < 5.0 and np.abs(got - ref)[:, 4:].max() < 0.15
+
+
+# ---------------------------------------------------------------------------------------------
+# End2End
+# ---------------------------------------------------------------------------------------------
+
+def _detections(outs: dict, i: int) -> np.ndarray:
+    n = int(outs["num_dets"][i, 0])
+    d = np.concatenate([outs["det_boxes"][i, :n], outs["det_scores"][i, :n, None],
+                        outs["det_classes"][i, :n, None].astype(np.float32)], 1)
+    return d[np.lexsort((d[:, 5], -d[:, 4]))]
+
+
+def _upstream(pred: np.ndarray, conf: float, iou: float, topk: int, agnostic: bool) -> list[np.ndarray]:
+    from utils.general import non_max_suppression
+    dets = non_max_suppression(torch.from_numpy(pred), conf, iou, agnostic=agnostic, multi_label=not agnostic,
+                               max_det=topk)
+    return [d.numpy()[np.lexsort((d.numpy()[:, 5], -d.numpy()[:, 4]))] for d in dets]
+
+
+@pytest.mark.parametrize("agnostic", [False, True])
+def test_end2end_onnx_fp_equals_upstream_nms(fp_model, work, images, agnostic):
+    from utils.qat.onnx_export import export_onnx
+    out = work / f"fp-e2e-onnx-{agnostic}.onnx"
+    conf, iou, topk = 0.01, 0.6, 50
+    export_onnx(fp_model, out, imgsz=IMGSZ, batch_size=2, end2end=dict(
+        backend="onnx", topk_all=topk, iou_thres=iou, conf_thres=conf, class_agnostic=agnostic))
+    ins, outs = _io(out)
+    assert outs == {"num_dets": ([2, 1], onnx.TensorProto.INT32),
+                    "det_boxes": ([2, topk, 4], onnx.TensorProto.FLOAT),
+                    "det_scores": ([2, topk], onnx.TensorProto.FLOAT),
+                    "det_classes": ([2, topk], onnx.TensorProto.INT32)}
+    got = _run(out, images)
+    ref = _upstream(_torch(fp_model, images), conf, iou, topk, agnostic)
+    for i, r in enumerate(ref):
+        g = _detections(got, i)
+        assert len(g) == len(r) and len(r) > 0
+        assert np.abs(g - r).max() < 1e-3
+        assert (got["det_scores"][i, len(g):] == 0).all() and (got["det_boxes"][i, len(g):] == 0).all()
+
+
+def test_end2end_onnx_qat_equals_plain_graph_plus_nms(qat_model, qat_plain_cli, work, images):
+    """INT8 End2End (--nms onnx, dynamic, simplified): the detections of the plain INT8 graph (the reference
+    command's export) + upstream NMS, at two image sizes."""
+    from utils.qat.onnx_export import export_onnx
+    qmodel, fp_patterns = qat_model
+    e2e = work / "qat-e2e-onnx.onnx"
+    conf, iou, topk = 0.01, 0.6, 50
+    rep = export_onnx(qmodel, e2e, imgsz=IMGSZ, dynamic=True, simplify=True, allow_fp=fp_patterns, end2end=dict(
+        backend="onnx", topk_all=topk, iou_thres=iou, conf_thres=conf))
+    assert rep["lint"]["total"] == 0 and rep["int8_weights"] > 100 and rep["simplify"] == "done"
+    for x in (images, torch.nn.functional.pad(images, (0, 64, 0, 0), value=0.5)):
+        got = _run(e2e, x)
+        ref = _upstream(_run(qat_plain_cli[1], x)["output0"], conf, iou, topk, False)
+        for i, r in enumerate(ref):
+            g = _detections(got, i)
+            assert len(g) == len(r) > 0 and np.abs(g - r).max() < 1e-3
+
+
+def test_end2end_trt_reference_command(yolov9_tree, qat_ckpt, work):
+    """export_qat.py --include onnx_end2end (reference README): an EfficientNMS_TRT plugin node."""
+    r = run_tool(yolov9_tree, "export_qat.py", "--weights", str(qat_ckpt), "--include", "onnx_end2end",
+                 "--imgsz", str(IMGSZ))
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = qat_ckpt.with_name(qat_ckpt.stem + "-end2end.onnx")
+    assert out.is_file() and "EfficientNMS_TRT" in r.stdout and "Q/DQ lint: clean" in r.stdout
+    m = onnx.load(str(out))
+    onnx.checker.check_model(m)
+    nms = [n for n in m.graph.node if n.op_type == "EfficientNMS_TRT"]
+    assert len(nms) == 1 and nms[0].domain == "TRT"
+    assert any(o.domain == "TRT" for o in m.opset_import)
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in nms[0].attribute}
+    assert attrs == {"background_class": -1, "box_coding": 1, "iou_threshold": pytest.approx(0.45),
+                     "max_output_boxes": 100, "plugin_version": b"1", "score_activation": 0,
+                     "score_threshold": pytest.approx(0.25), "class_agnostic": 0}
+    assert list(nms[0].output) == E2E_OUTPUTS
+    ins, outs = _io(out)
+    assert ins == {"images": ([1, 3, IMGSZ, IMGSZ], onnx.TensorProto.FLOAT)}
+    assert outs == {"num_dets": ([1, 1], onnx.TensorProto.INT32), "det_boxes": ([1, 100, 4], onnx.TensorProto.FLOAT),
+                    "det_scores": ([1, 100], onnx.TensorProto.FLOAT),
+                    "det_classes": ([1, 100], onnx.TensorProto.INT32)}
+    # the plugin's inputs: xywh boxes (B, A, 4) and scores (B, A, 80) sliced from the head output
+    producers = {o: n for n in m.graph.node for o in n.output}
+    assert producers[nms[0].input[0]].op_type == producers[nms[0].input[1]].op_type == "Slice"
+    assert json.loads(_meta(out)["end2end"])["backend"] == "trt"
+    assert "QuantizeLinear" in {n.op_type for n in m.graph.node}
+
+
+def test_end2end_trt_options_and_segmentation_graph(yolov9_tree, work):
+    """--class-agnostic / thresholds reach the plugin; segmentation uses EfficientNMSX_TRT + ROIAlign_TRT and the
+    --nms onnx segmentation graph runs in ONNX Runtime (tiny random model with an upstream Segment head)."""
+    from utils.qat.onnx_export import export_onnx
+    det = build(TINY_GELAN)
+    out = work / "tiny-e2e-trt.onnx"
+    export_onnx(det, out, imgsz=64, dynamic=True, end2end=dict(backend="trt", topk_all=20, iou_thres=0.5,
+                                                                conf_thres=0.3, class_agnostic=True))
+    nms = next(n for n in onnx.load(str(out)).graph.node if n.op_type == "EfficientNMS_TRT")
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in nms.attribute}
+    assert attrs["class_agnostic"] == 1 and attrs["max_output_boxes"] == 20
+    assert attrs["iou_threshold"] == pytest.approx(0.5) and attrs["score_threshold"] == pytest.approx(0.3)
+
+    seg_cfg = {**TINY_GELAN, "head": TINY_GELAN["head"][:-1] + [[[15, 18, 21], 1, "Segment", ["nc", 8, 32]]]}
+    seg = build(seg_cfg)
+    r = 16
+    opts = dict(topk_all=10, iou_thres=0.5, conf_thres=0.0, mask_resolution=r, pooler_scale=0.25)
+    trt_out, onnx_out = work / "tiny-seg-trt.onnx", work / "tiny-seg-onnx.onnx"
+    export_onnx(seg, trt_out, imgsz=64, task="segment", end2end=dict(backend="trt", **opts))
+    g = onnx.load(str(trt_out)).graph
+    ops = {n.op_type: n for n in g.node}
+    assert "EfficientNMSX_TRT" in ops and "ROIAlign_TRT" in ops
+    roi = {a.name: onnx.helper.get_attribute_value(a) for a in ops["ROIAlign_TRT"].attribute}
+    assert roi["output_height"] == roi["output_width"] == r and roi["spatial_scale"] == pytest.approx(0.25)
+    assert [o.name for o in g.output] == E2E_OUTPUTS + ["det_masks"]
+    export_onnx(seg, onnx_out, imgsz=64, batch_size=2, task="segment", end2end=dict(backend="onnx", **opts))
+    x = torch.rand(2, 3, 64, 64)
+    got = _run(onnx_out, x)
+    assert got["det_masks"].shape == (2, 10, r * r)
+    n = got["num_dets"][:, 0]
+    assert (n > 0).all()
+    masks = got["det_masks"]
+    assert ((masks >= 0) & (masks <= 1)).all()
+    for i in range(2):
+        assert (masks[i, n[i]:] == 0).all() and (masks[i, :n[i]].max(1) > 0).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepStream
+# ---------------------------------------------------------------------------------------------
+
+def _deepstream_expected(pred: np.ndarray) -> np.ndarray:
+    x = pred.transpose(0, 2, 1)
+    xy, wh = x[..., :2], x[..., 2:4]
+    scores = x[..., 4:]
+    return np.concatenate([xy - wh / 2, xy + wh / 2, scores.max(-1, keepdims=True),
+                           scores.argmax(-1)[..., None].astype(np.float32)], -1)
+
+
+def test_deepstream_qat_export(yolov9_tree, qat_ckpt, qat_model, images):
+    """export_yoloV9.py --size N --dynamic --simplify on a QAT checkpoint."""
+    r = run_tool(yolov9_tree, "export_yoloV9.py", "--weights", str(qat_ckpt), "--size", str(IMGSZ), "--dynamic",
+                 "--simplify")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "QAT" in r.stdout and "single head" in r.stdout
+    out = qat_ckpt.with_name(qat_ckpt.name + ".onnx")
+    labels = (out.parent / "labels.txt").read_text().splitlines()
+    assert len(labels) == 80 and labels[0] == "person"
+    ins, outs = _io(out)
+    assert ins == {"input": (["batch", 3, IMGSZ, IMGSZ], onnx.TensorProto.FLOAT)}
+    assert outs == {"output": (["batch", 525, 6], onnx.TensorProto.FLOAT)}
+    got = _run(out, images)["output"]
+    want = _deepstream_expected(_torch(qat_model[0], images))
+    conf = want[..., 4] > 0.25
+    assert np.abs(got[..., :4] - want[..., :4])[conf].max() < 4.0
+    assert (got[..., 5][conf] == want[..., 5][conf]).mean() > 0.95
+
+
+def test_deepstream_fp_dual_head(yolov9_tree, work):
+    """An FP checkpoint with a dual head (DualDDetect): main branch only, --batch 2 --size H W."""
+    dual_cfg = {**TINY_GELAN, "head": TINY_GELAN["head"][:-1] + [[[15, 18, 21, 15, 18, 21], 1, "DualDDetect", ["nc"]]]}
+    model = build(dual_cfg).eval()
+    weights = work / "tiny-dual.pt"
+    torch.save({"model": model, "epoch": -1}, weights)
+    r = run_tool(yolov9_tree, "export_yoloV9.py", "--weights", str(weights), "--batch", "2", "--size", "64", "96")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "FP" in r.stdout and "dual head" in r.stdout and "DualDDetect" in r.stdout
+    out = work / "tiny-dual.pt.onnx"
+    ins, outs = _io(out)
+    assert ins == {"input": ([2, 3, 64, 96], onnx.TensorProto.FLOAT)}
+    assert outs["output"][0] == [2, (8 * 12) + (4 * 6) + (2 * 3), 6]
+    x = torch.rand(2, 3, 64, 96)
+    fused = model.fuse()
+    with torch.no_grad():
+        main = fused(x)[0][-1].numpy()  # eval mode: ([aux, main], train outputs)
+    got = _run(out, x)["output"]
+    assert np.abs(got - _deepstream_expected(main)).max() < 1e-3
+    assert (work / "labels.txt").read_text().splitlines()[:2] == ["class0", "class1"]
+
+
+# ---------------------------------------------------------------------------------------------
+# val_trt.py on ONNX Runtime vs the evaluator on PyTorch
+# ---------------------------------------------------------------------------------------------
+
+def _val(tree, onnx_path, data, project, name):
+    r = run_tool(tree, "val_trt.py", "--onnx", str(onnx_path), "--backend", "onnxruntime", "--data", str(data),
+                 "--imgsz", str(IMGSZ), "--batch-size", "4", "--workers", "0", "--project", str(project),
+                 "--name", name, "--exist-ok", "--save-json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "| AP |" in r.stdout.replace("| Model | AP |", "| AP |")
+    assert (Path(project) / name / "predictions.json").is_file()
+    return json.loads((Path(project) / name / "results.json").read_text())
+
+
+def _evaluate(model, data):
+    from utils.qat.backends import TorchBackend
+    from utils.qat.data import load_data_yaml
+    from utils.qat.evaluate import evaluate
+    return evaluate(TorchBackend(model, torch.device("cpu")), load_data_yaml(data), imgsz=IMGSZ, batch_size=4,
+                    workers=0)
+
+
+def test_val_trt_fp_onnx_equals_pytorch(yolov9_tree, fp_model, fp_dynamic, work, small_data):
+    got = _val(yolov9_tree, fp_dynamic, small_data, work / "runs", "fp")
+    want = _evaluate(fp_model, small_data)
+    print(f"FP: PyTorch mAP50-95 {want.mAP50_95:.4f} mAP50 {want.mAP50:.4f}; ONNX Runtime {got['AP']:.4f} "
+          f"{got['AP50']:.4f}")
+    assert got["images"] == want.images == 8
+    assert abs(got["AP"] - want.mAP50_95) < 1e-3 and abs(got["AP50"] - want.mAP50) < 1e-3
+
+
+def test_val_trt_end2end_equals_plain(yolov9_tree, fp_model, fp_dynamic, work, small_data):
+    """An End2End graph (--nms onnx) with the evaluation thresholds scores like the plain graph + upstream NMS."""
+    from utils.qat.onnx_export import export_onnx
+    e2e = work / "fp-e2e-eval.onnx"
+    export_onnx(fp_model, e2e, imgsz=IMGSZ, dynamic=True, end2end=dict(backend="onnx", topk_all=300, iou_thres=0.7,
+                                                                        conf_thres=0.001))
+    got = _val(yolov9_tree, e2e, small_data, work / "runs", "e2e")
+    done = work / "runs" / "fp" / "results.json"  # test_val_trt_fp_onnx_equals_pytorch's run
+    plain = json.loads(done.read_text()) if done.is_file() else _val(yolov9_tree, fp_dynamic, small_data,
+                                                                      work / "runs", "fp")
+    print(f"FP End2End (onnx NMS) mAP50-95 {got['AP']:.4f} mAP50 {got['AP50']:.4f}; plain {plain['AP']:.4f} "
+          f"{plain['AP50']:.4f}")
+    assert got["graph"] == "End2End" and got["images"] == 8
+    assert abs(got["AP"] - plain["AP"]) < 1e-3 and abs(got["AP50"] - plain["AP50"]) < 1e-3
+
+
+def test_val_trt_int8_onnx_close_to_fake_quant(yolov9_tree, qat_model, qat_plain_cli, work, small_data):
+    _, out = qat_plain_cli
+    got = _val(yolov9_tree, out, small_data, work / "runs", "int8")
+    want = _evaluate(qat_model[0], small_data)
+    print(f"INT8: fake-quant mAP50-95 {want.mAP50_95:.4f} mAP50 {want.mAP50:.4f}; ONNX Runtime {got['AP']:.4f} "
+          f"{got['AP50']:.4f}")
+    assert abs(got["AP"] - want.mAP50_95) < 0.01 and abs(got["AP50"] - want.mAP50) < 0.01
+
+
+# ---------------------------------------------------------------------------------------------
+# errors: one sentence, non-zero exit, nothing half-written
+# ---------------------------------------------------------------------------------------------
+
+def _error(r) -> str:
+    assert r.returncode != 0, r.stdout
+    lines = [line for line in r.stderr.strip().splitlines() if line.startswith("error:")]
+    assert lines and "Traceback" not in r.stderr, r.stderr
+    return lines[-1]
+
+
+def test_cli_errors(yolov9_tree, work):
+    """The CLIs as users run them: one 'error: ...' sentence, exit status 2."""
+    bad = work / "errors"
+    bad.mkdir()
+    assert "not found" in _error(run_tool(yolov9_tree, "export_qat.py", "--weights", str(bad / "nope.pt")))
+    r = run_tool(yolov9_tree, "export_qat.py", "--weights", str(bad / "nope.pt"), "--include", "tflite")
+    assert r.returncode == 2 and "invalid choice: 'tflite'" in r.stderr
+    r = run_tool(yolov9_tree, "export_yoloV9.py", "--weights", str(work / "gelan-c.pt"), "--batch", "4", "--dynamic")
+    assert r.returncode == 2 and "--dynamic" in _error(r) and "--batch" in _error(r)
+    assert not list(bad.iterdir())
+
+
+def test_library_errors(yolov9_tree, work, small_data):
+    """The remaining error cases, in-process (the QATError sentences run_cli prints)."""
+    import export_qat
+    import val_trt
+    from models.yolo import ClassificationModel
+    from utils.qat.errors import QATError
+    bad = work / "errors-lib"
+    bad.mkdir()
+
+    def export(*argv):
+        return export_qat.main(export_qat.get_args_parser().parse_args(list(argv)))
+    (bad / "junk.pt").write_text("not a checkpoint")
+    with pytest.raises(QATError, match="not a PyTorch checkpoint"):
+        export("--weights", str(bad / "junk.pt"))
+    classifier = ClassificationModel.__new__(ClassificationModel)
+    torch.nn.Module.__init__(classifier)
+    torch.save({"model": classifier}, bad / "cls.pt")
+    with pytest.raises(QATError, match="classify model.*End2End"):
+        export("--weights", str(bad / "cls.pt"), "--include", "onnx_end2end")
+    with pytest.raises(QATError, match="--topk-all"):
+        export("--weights", str(work / "gelan-c.pt"), "--include", "onnx_end2end", "--topk-all", "0")
+    with pytest.raises(QATError, match="--imgsz"):
+        export("--weights", str(work / "gelan-c.pt"), "--imgsz", "320", "320", "320")
+    engine = bad / "model.engine"
+    engine.write_bytes(b"\0" * 16)
+    try:
+        import tensorrt
+        has_trt = hasattr(tensorrt, "Builder")
+    except ImportError:
+        has_trt = False
+    if not has_trt:
+        args = val_trt.get_args_parser().parse_args(["--engine-file", str(engine), "--data", str(small_data)])
+        with pytest.raises(QATError, match="TensorRT"):
+            val_trt.main(args)
+    args = val_trt.get_args_parser().parse_args(["--onnx", str(bad / "missing.onnx"), "--data", str(small_data)])
+    with pytest.raises(QATError, match="not found"):
+        val_trt.main(args)
+    assert sorted(p.name for p in bad.iterdir()) == ["cls.pt", "junk.pt", "model.engine"]
+
+
+def test_unwritable_output_leaves_nothing(fp_model, work):
+    from utils.qat.errors import QATError
+    from utils.qat.onnx_export import export_onnx
+    folder = work / "unwritable"
+    folder.mkdir()
+    (folder / "model.onnx").mkdir()  # the output path is taken by a folder: the final rename fails
+    with pytest.raises(QATError, match="cannot write"):
+        export_onnx(fp_model, folder / "model.onnx", imgsz=64)
+    assert [p.name for p in folder.iterdir()] == ["model.onnx"] and (folder / "model.onnx").is_dir()
+
+
+def test_simplify_failure_keeps_unsimplified(yolov9_tree, work, monkeypatch, capsys):
+    import export_qat
+    from utils.qat import onnx_qdq
+
+    def broken(model, **kwargs):
+        raise RuntimeError("onnxslim failed: ValueError: boom")
+    monkeypatch.setattr(onnx_qdq, "simplify", broken)
+    weights = work / "slim" / "gelan-c.pt"
+    weights.parent.mkdir()
+    weights.symlink_to(work / "gelan-c.pt")
+    args = export_qat.get_args_parser().parse_args(["--weights", str(weights), "--simplify", "--imgsz", "64"])
+    reports = export_qat.main(args)
+    out = capsys.readouterr().out
+    assert reports[0]["simplify"].startswith("failed: onnxslim failed")
+    assert "unsimplified" in out and "boom" in out
+    onnx.checker.check_model(onnx.load(str(weights.with_suffix(".onnx"))))
+    assert not _no_partial_files(weights.parent)
+
+
+def test_check_findings_fail_after_writing(qat_ckpt, work, monkeypatch, capsys):
+    """--check (default for quantized checkpoints): lint findings are printed, the file is kept, exit non-zero."""
+    import export_qat
+    from utils.qat import onnx_qdq
+    from utils.qat.errors import QATError
+    lint = onnx_qdq.lint
+
+    def one_finding(model, **kwargs):
+        report = lint(model, **kwargs)
+        report["findings"] = {"concat_scale_mismatch": {"count": 1, "nodes": ["/model/model.11/Concat"]}}
+        report["total"] = 1
+        return report
+    monkeypatch.setattr(onnx_qdq, "lint", one_finding)
+    weights = work / "check" / "qat.pt"
+    weights.parent.mkdir()
+    weights.symlink_to(qat_ckpt)
+    args = export_qat.get_args_parser().parse_args(["--weights", str(weights), "--imgsz", "64"])
+    with pytest.raises(QATError, match="lint found 1 TensorRT fusion blocker"):
+        export_qat.main(args)
+    out = capsys.readouterr().out
+    assert "concat_scale_mismatch" in out and "/model/model.11/Concat" in out
+    assert weights.with_suffix(".onnx").is_file()

@@ -1,0 +1,648 @@
+"""The toolkit's one ONNX exporter (plain, End2End and DeepStream exports all go through it).
+
+:func:`export_onnx` traces an FP or fake-quantized YOLOv9 model with the TorchScript exporter
+(``torch.onnx.export(..., dynamo=False)``), then works on the ONNX graph:
+
+1. merges the redundant Q/DQ the exporter leaves (``onnx_qdq.dedupe_qdq``; outputs unchanged) and stores
+   quantized weights as INT8 initializers holding PyTorch's own integers (:func:`fold_weight_qdq`),
+2. optionally simplifies it (``onnx_qdq.simplify``: onnxslim, Q/DQ checked to survive; a failure keeps
+   the unsimplified graph and says so in the report),
+3. lints the Q/DQ placement of quantized graphs (``onnx_qdq.lint``),
+4. optionally converts the floating-point parts to FP16 (:func:`to_half`),
+5. optionally appends NMS (``end2end.append_nms``),
+6. writes metadata (``stride``, ``names`` as JSON, ``task``, ``imgsz``, ``quantized``, ``version``, ...)
+   and saves the file atomically: nothing half-written is left on any error.
+
+The detection head is put in export mode on the head *instance* only, and restored afterwards. Dual
+heads (DualDDetect, ...) export their main (last) branch only.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+import warnings
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import onnx
+import torch
+import torch.nn as nn
+from onnx import TensorProto, helper, numpy_helper
+
+from utils.qat import __version__, onnx_qdq
+from utils.qat.atomic import atomic_path
+from utils.qat.errors import QATError
+
+__all__ = ["export_onnx", "format_report", "to_half", "fold_weight_qdq", "quantized_weights", "load_for_export",
+           "parse_imgsz", "find_head", "head_kind", "is_quantized_model", "readable", "DeepStreamOutput",
+           "OUTPUT_NAMES"]
+
+OUTPUT_NAMES = {"detect": ["output0"], "segment": ["output0", "output1"], "classify": ["output0"]}
+INPUT_NAME = "images"
+#: Heads whose upstream export mode is broken (DualDSegment returns a batch slice): exported in eval mode.
+_NO_EXPORT_MODE = {"DualDSegment"}
+_HEAD_STATE = ("export", "dynamic", "inplace", "shape", "anchors", "strides")
+
+
+# ---------------------------------------------------------------------------------------------
+# the model side
+# ---------------------------------------------------------------------------------------------
+
+def load_for_export(weights: str | os.PathLike, ckpt: dict | None = None):
+    """``(model, task, quantized, fp_patterns)`` of a checkpoint, quantized (rebuilt with its Q/DQ) or
+    floating point (BatchNorm fused), in eval mode. ``ckpt``: the already read checkpoint, if any."""
+    from utils.qat import checkpoint
+    ckpt = checkpoint.read(weights) if ckpt is None else ckpt
+    task = checkpoint.task_of(ckpt)
+    if checkpoint.is_quantized(ckpt):
+        model, info, _ = checkpoint.load_quantized(weights, task=task)
+        return model.eval(), task, True, list(info.fp_patterns)
+    model = checkpoint.load_fp(weights, task=task)
+    if hasattr(model, "fuse"):
+        model = model.fuse()
+    return model.eval(), task, False, []
+
+
+def parse_imgsz(values: Sequence[int], stride: int, flag: str = "--imgsz") -> tuple[int, int]:
+    """``N`` or ``H W`` from the command line, each rounded up to a multiple of the stride (with a notice)."""
+    from utils.qat.data import check_imgsz
+    values = list(values)
+    if len(values) not in (1, 2) or any(v <= 0 for v in values):
+        raise QATError(f"{flag} takes one or two positive sizes (N or H W), got {' '.join(map(str, values))}.")
+    h, w = (values[0], values[0]) if len(values) == 1 else values
+    return check_imgsz(h, stride), check_imgsz(w, stride)
+
+
+def find_head(model: nn.Module) -> nn.Module | None:
+    """The last layer of a YOLOv9 model (its Detect / DDetect / DualDDetect / Segment ... head)."""
+    layers = getattr(model, "model", None)
+    if isinstance(layers, nn.Sequential) and len(layers):
+        return layers[-1]
+    return None
+
+
+def head_kind(model: nn.Module) -> str:
+    """'dual' for heads with an auxiliary branch (DualDDetect, DualDSegment, Triple...), else 'single'."""
+    head = find_head(model)
+    name = type(head).__name__ if head is not None else ""
+    return "dual" if name.startswith(("Dual", "Triple")) else "single"
+
+
+def is_quantized_model(model: nn.Module) -> bool:
+    """Has modelopt quantizers (checked by class name so that FP exports never import modelopt)."""
+    return any(type(m).__name__ in ("TensorQuantizer", "SequentialQuantizer") for m in model.modules())
+
+
+@contextlib.contextmanager
+def _export_mode(head: nn.Module | None, *, dynamic_hw: bool, inplace: bool | None):
+    """Head in export mode on this instance only; every attribute it touches is restored on exit."""
+    if head is None:
+        yield
+        return
+    saved = {k: head.__dict__[k] for k in _HEAD_STATE if k in head.__dict__}
+    try:
+        if type(head).__name__ not in _NO_EXPORT_MODE:
+            head.export = True
+        head.dynamic = bool(dynamic_hw)  # recompute anchors from the traced feature shapes
+        if dynamic_hw:
+            head.shape = None
+        if inplace is not None:
+            head.inplace = bool(inplace)
+        yield
+    finally:
+        for k in _HEAD_STATE:
+            if k in saved:
+                setattr(head, k, saved[k])
+            else:
+                head.__dict__.pop(k, None)
+
+
+def _flatten(out) -> list[torch.Tensor]:
+    if torch.is_tensor(out):
+        return [out]
+    return [t for o in out for t in _flatten(o)]
+
+
+def head_outputs(out, task: str) -> tuple[torch.Tensor, ...]:
+    """The inference tensors of a YOLOv9 head: ``(pred,)``, or ``(pred, protos)`` for segmentation.
+    Dual heads give their main (last) branch."""
+    if torch.is_tensor(out):
+        return (out,)
+    if task == "segment":
+        pred, protos = out[0], out[1]
+        while isinstance(pred, (list, tuple)):  # dual: [aux, main]
+            pred = pred[-1]
+        while isinstance(protos, (list, tuple)):  # eval mode: (train_out, mc, protos)
+            protos = protos[-1]
+        return pred, protos
+    pred = out
+    while isinstance(pred, (list, tuple)):
+        first = pred[0]
+        # export mode dual head: [aux, main]; eval mode: (y, train_out)
+        pred = pred[-1] if all(torch.is_tensor(p) for p in pred) and len(pred) > 1 else first
+    return (pred,)
+
+
+class _Exportable(nn.Module):
+    """model -> head outputs (main branch) -> optional ``post`` module; remembers the traced shapes."""
+
+    def __init__(self, model: nn.Module, task: str, post: nn.Module | None):
+        super().__init__()
+        self.model, self.task, self.post = model, task, post
+        self.shapes: list[tuple[int, ...]] = []
+
+    def forward(self, x):
+        outs = head_outputs(self.model(x), self.task)
+        if self.post is not None:
+            outs = self.post(*outs)
+            outs = (outs,) if torch.is_tensor(outs) else tuple(outs)
+        self.shapes = [tuple(int(d) for d in o.shape) for o in outs]
+        return outs if len(outs) > 1 else outs[0]
+
+
+class DeepStreamOutput(nn.Module):
+    """DeepStream-Yolo's output layout: ``(B, A, 6)`` = x1, y1, x2, y2 (input pixels), best class score,
+    class index (as float) per anchor, from a head output ``(B, 4 + nc, A)`` with xywh boxes."""
+
+    def forward(self, pred: torch.Tensor) -> torch.Tensor:
+        x = pred.transpose(1, 2)
+        xy, wh = x[..., 0:2], x[..., 2:4]
+        score, cls = x[..., 4:].max(dim=-1, keepdim=True)
+        return torch.cat([xy - wh / 2, xy + wh / 2, score, cls.to(x.dtype)], dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# FP16
+# ---------------------------------------------------------------------------------------------
+
+_FLOAT16 = "tensor(float16)"
+#: Kept float32 at every opset (from opset 19 they could take float16, but the scales stay exact).
+_KEEP_FP32 = {"QuantizeLinear", "DequantizeLinear"}
+
+
+def _formal(schema, index: int, inputs: bool):
+    """The formal parameter of an op schema that actual input/output ``index`` binds to (None if none)."""
+    formals = schema.inputs if inputs else schema.outputs
+    if not formals:
+        return None
+    if index < len(formals):
+        return formals[index]
+    last = formals[-1]
+    return last if last.option == onnx.defs.OpSchema.FormalParameterOption.Variadic else None
+
+
+def _takes_fp16(schema, index: int, inputs: bool) -> bool:
+    f = _formal(schema, index, inputs) if schema is not None else None
+    if f is None:
+        return False
+    for c in schema.type_constraints:
+        if c.type_param_str == f.type_str:
+            return _FLOAT16 in c.allowed_type_strs
+    return f.type_str == _FLOAT16
+
+
+def to_half(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Float32 -> float16 for the floating-point parts of a graph. Graph inputs and outputs stay float32
+    (a Cast at each end); QuantizeLinear / DequantizeLinear stay float32, scales included.
+
+    Which ops compute in float16 follows from each op's ONNX schema at the model's opset: an op whose
+    float outputs cannot be float16 (Range, ...) or whose float input cannot be (NonMaxSuppression,
+    Resize's scales) gets float32 there; QuantizeLinear / DequantizeLinear always do.
+    Casts are inserted wherever a float16 tensor meets a float32 one; constants are converted in place
+    (a float16 copy where both kinds of reader exist).
+    """
+    src = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+    g = src.graph
+    opsets = {o.domain or "": o.version for o in src.opset_import}
+    F32, F16 = TensorProto.FLOAT, TensorProto.FLOAT16
+    types: dict[str, int] = {}
+    for v in list(g.input) + list(g.output) + list(g.value_info):
+        if v.type.HasField("tensor_type"):
+            types[v.name] = v.type.tensor_type.elem_type
+    types.update({t.name: t.data_type for t in g.initializer})
+    nodes = list(g.node)  # one wrapper object per node: id() is used as a key below
+    const_nodes = {n.output[0]: n for n in nodes if n.op_type == "Constant"}
+    for name, n in const_nodes.items():
+        for a in n.attribute:
+            if a.name == "value":
+                types[name] = a.t.data_type
+    inits = {t.name: t for t in g.initializer}
+
+    schemas: dict[int, object] = {}
+    for n in nodes:
+        if n.op_type in _KEEP_FP32:
+            schemas[id(n)] = None
+            continue
+        try:
+            schemas[id(n)] = onnx.defs.get_schema(n.op_type, opsets.get(n.domain or "", 1), n.domain or "")
+        except onnx.defs.SchemaError:
+            schemas[id(n)] = None  # custom ops (TensorRT plugins): float32
+    readers: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
+    for n in nodes:
+        for i, name in enumerate(n.input):
+            if name:
+                readers.setdefault(name, []).append((n, i))
+
+    new_nodes: list[onnx.NodeProto] = []
+    tensor16: set[str] = set()
+    casts: dict[tuple[str, int], str] = {}
+    const16: dict[str, str] = {}
+
+    def cast(name: str, to: int) -> str:
+        if (name, to) not in casts:
+            out = f"{name}__{'fp16' if to == F16 else 'fp32'}"
+            new_nodes.append(helper.make_node("Cast", [name], [out], name=f"{out}/Cast", to=to))
+            casts[(name, to)] = out
+        return casts[(name, to)]
+
+    def as16(name: str) -> str:  # a float16 copy of a float32 constant
+        if name not in const16:
+            new = f"{name}__fp16"
+            if name in inits:
+                arr = numpy_helper.to_array(inits[name]).astype(np.float16)
+                g.initializer.append(numpy_helper.from_array(arr, new))
+            else:
+                val = next(a.t for a in const_nodes[name].attribute if a.name == "value")
+                arr = numpy_helper.to_array(val).astype(np.float16)
+                new_nodes.append(helper.make_node("Constant", [], [new], name=f"{new}/Constant",
+                                                  value=numpy_helper.from_array(arr, new)))
+            const16[name] = new
+        return const16[name]
+
+    for n in nodes:
+        if n.op_type == "Constant":
+            new_nodes.append(n)
+            continue
+        schema = schemas[id(n)]
+        float_in = [i for i, x in enumerate(n.input) if x and types.get(x) == F32]
+        float_out = [i for i, x in enumerate(n.output) if x and types.get(x) == F32]
+        is16 = [x in tensor16 for x in n.input]
+        if n.op_type == "Cast":
+            # Cast(to=FLOAT): float16 unless every reader needs float32 (modelopt's Cast before a Q)
+            node16 = bool(float_out) and any(_takes_fp16(schemas[id(r)], i, True)
+                                             for r, i in readers.get(n.output[0], []))
+            want = {}
+        elif float_out:
+            node16 = all(_takes_fp16(schema, j, False) for j in float_out)
+            want = {i: node16 and _takes_fp16(schema, i, True) for i in float_in}
+        else:  # float inputs only (Shape, Greater, NonMaxSuppression, QuantizeLinear, ...)
+            node16 = False
+            can = all(_takes_fp16(schema, i, True) for i in float_in)
+            any16 = any(is16[i] for i in float_in)
+            want = {i: can and any16 for i in float_in}
+        for i, wants16 in want.items():
+            x = n.input[i]
+            if x in inits or x in const_nodes:
+                if wants16:
+                    n.input[i] = as16(x)
+            elif wants16 and not is16[i]:
+                n.input[i] = cast(x, F16)
+            elif not wants16 and is16[i]:
+                n.input[i] = cast(x, F32)
+        if node16:
+            tensor16.update(n.output[j] for j in float_out)
+            for a in n.attribute:
+                if n.op_type == "Cast" and a.name == "to":
+                    a.i = F16
+                elif n.op_type == "ConstantOfShape" and a.name == "value" and a.t.data_type == F32:
+                    a.t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(a.t).astype(np.float16)))
+        new_nodes.append(n)
+
+    for o in g.output:  # graph outputs stay float32
+        if o.name in tensor16:
+            internal = f"{o.name}__fp16"
+            for n in new_nodes:
+                n.input[:] = [internal if x == o.name else x for x in n.input]
+                n.output[:] = [internal if x == o.name else x for x in n.output]
+            new_nodes.append(helper.make_node("Cast", [internal], [o.name], name=f"{o.name}/Cast_fp32", to=F32))
+    used = {x for n in new_nodes for x in n.input} | {o.name for o in g.output}
+    new_nodes = [n for n in new_nodes if not (n.op_type == "Constant" and n.output[0] not in used)]
+    del g.node[:]
+    g.node.extend(_toposort(new_nodes, {i.name for i in g.input} | {t.name for t in g.initializer}))
+    keep = [t for t in g.initializer if t.name in used]
+    del g.initializer[:]
+    g.initializer.extend(keep)
+    del g.value_info[:]
+    return src
+
+
+def _toposort(nodes: list[onnx.NodeProto], available: set[str]) -> list[onnx.NodeProto]:
+    ready = set(available)
+    out: list[onnx.NodeProto] = []
+    pending = list(nodes)
+    while pending:
+        rest = []
+        for n in pending:
+            if all((not i) or i in ready for i in n.input):
+                out.append(n)
+                ready.update(o for o in n.output if o)
+            else:
+                rest.append(n)
+        if len(rest) == len(pending):  # inputs from subgraphs / unknown: keep the order
+            out.extend(rest)
+            break
+        pending = rest
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# export
+# ---------------------------------------------------------------------------------------------
+
+def _module_to_onnx_pattern(pattern: str) -> str:
+    """A module-name pattern ('model.22.*', 'model.22.') as a pattern on exported node names
+    ('/model.22/cv2.0/...'): dots may be dots or scope slashes."""
+    return "*" + pattern.rstrip(".").replace(".", "[./]") + "[./]*"
+
+
+def quantized_weights(module: nn.Module) -> dict[str, np.ndarray]:
+    """The fake-quantized weights of every enabled weight quantizer, by parameter name (float32).
+
+    These are exactly the values PyTorch computes with; :func:`fold_weight_qdq` stores them in the ONNX as
+    integers so that every runtime starts from the same INT8 weights as PyTorch.
+    """
+    out = {}
+    with torch.no_grad():
+        for name, m in module.named_modules():
+            wq = getattr(m, "weight_quantizer", None)
+            w = getattr(m, "weight", None)
+            if wq is None or not isinstance(w, torch.Tensor) or not getattr(wq, "is_enabled", False):
+                continue
+            out[f"{name}.weight" if name else "weight"] = wq(w).detach().float().cpu().numpy()
+    return out
+
+
+def _const_value(graph: onnx.GraphProto, name: str, inits: dict) -> np.ndarray | None:
+    if name in inits:
+        return numpy_helper.to_array(inits[name])
+    for n in graph.node:
+        if n.op_type == "Constant" and n.output[0] == name:
+            return next((numpy_helper.to_array(a.t) for a in n.attribute if a.name == "value"), None)
+    return None
+
+
+def fold_weight_qdq(model: onnx.ModelProto, fake: dict[str, np.ndarray]) -> int:
+    """Replace ``Q(float weight) -> DQ`` by ``DQ(int8 weight)`` in place, the integers taken from PyTorch's
+    fake-quantized weights ``fake`` (by initializer name). Returns how many weights were folded.
+
+    PyTorch rounds ``w * (127 / amax)`` while ONNX Runtime and TensorRT round ``w / (amax / 127)``; for weights
+    that sit exactly on a rounding tie (common: the reference checkpoints are stored in FP16) the two can land
+    one level apart. Storing the integers removes that difference (and makes the file ~4x smaller).
+    """
+    g = model.graph
+    inits = {t.name: t for t in g.initializer}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for n in g.node:
+        for x in n.input:
+            readers.setdefault(x, []).append(n)
+    drop, folded = [], 0
+    for q in list(g.node):
+        if q.op_type != "QuantizeLinear" or q.input[0] not in inits or q.input[0] not in fake:
+            continue
+        dqs = readers.get(q.output[0], [])
+        if not dqs or any(d.op_type != "DequantizeLinear" for d in dqs) or len(q.input) < 3:
+            continue
+        scale = _const_value(g, q.input[1], inits)
+        zp = _const_value(g, q.input[2], inits)
+        if scale is None or zp is None or zp.dtype != np.int8 or np.any(zp != 0):
+            continue
+        w = fake[q.input[0]]
+        axis = next((a.i for a in q.attribute if a.name == "axis"), 1)
+        shape = [1] * w.ndim
+        if scale.size > 1:
+            shape[axis] = scale.size
+        k = np.rint(w / scale.reshape(shape).astype(np.float32))
+        if np.abs(k * scale.reshape(shape) - w).max() > 1e-5 * max(float(np.abs(w).max()), 1e-12) + 1e-12:
+            continue  # not on this quantizer's grid: leave the Q/DQ as exported
+        name = f"{q.input[0]}_int8"
+        g.initializer.append(numpy_helper.from_array(np.clip(k, -128, 127).astype(np.int8), name))
+        for d in dqs:
+            d.input[0] = name
+        drop.append(q)
+        folded += 1
+    for q in drop:
+        g.node.remove(q)
+    used = {x for n in g.node for x in n.input}
+    keep = [t for t in g.initializer if t.name in used or t.name not in fake]
+    del g.initializer[:]
+    g.initializer.extend(keep)
+    return folded
+
+
+def readable(path: Path) -> None:
+    """Give the file the permissions a plain ``open()`` would (the temporary file was created 0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
+def _set_metadata(model: onnx.ModelProto, meta: dict) -> None:
+    del model.metadata_props[:]
+    for k, v in meta.items():
+        p = model.metadata_props.add()
+        p.key = str(k)
+        p.value = v if isinstance(v, str) else json.dumps(v)
+
+
+def _fix_output_shapes(model: onnx.ModelProto, shapes: list[tuple[int, ...]], dynamic_axes: dict) -> None:
+    """Fill in the output dims the exporter left symbolic, from the traced shapes."""
+    for vi, shape in zip(model.graph.output, shapes):
+        dims = vi.type.tensor_type.shape.dim
+        if len(dims) != len(shape):
+            continue
+        named = dynamic_axes.get(vi.name, {})
+        for i, (d, size) in enumerate(zip(dims, shape)):
+            if i in named:
+                d.dim_param = named[i]
+            else:
+                d.dim_value = int(size)
+
+
+def export_onnx(model: nn.Module, path: str | os.PathLike, *, imgsz: int | Sequence[int] = (640, 640),
+                batch_size: int = 1, dynamic: bool = False, dynamic_hw: bool = True, opset: int = 17,
+                simplify: bool = False, half: bool = False, end2end: dict | None = None, task: str = "detect",
+                metadata: dict | None = None, device: str | torch.device = "cpu", inplace: bool | None = None,
+                post: nn.Module | None = None, input_names: Sequence[str] | None = None,
+                output_names: Sequence[str] | None = None, allow_fp: Sequence[str] = ()) -> dict:
+    """Export ``model`` (FP or fake-quantized YOLOv9, eval mode) to ``path``; return a report dict.
+
+    - ``dynamic``: batch is dynamic, and height/width too unless ``dynamic_hw=False``.
+    - ``end2end``: ``end2end.NMSOptions`` fields as a dict (``backend`` 'trt' or 'onnx', ``topk_all``, ...):
+      NMS is appended and the outputs become ``num_dets``, ``det_boxes``, ``det_scores``, ``det_classes``.
+    - ``post``: a module applied to the head outputs before export (e.g. :class:`DeepStreamOutput`).
+    - ``allow_fp``: module-name patterns of layers kept in FP on purpose (the checkpoint's
+      ``fp_patterns``), not reported by the Q/DQ lint.
+    - ``metadata``: extra ONNX metadata; ``stride``, ``names`` (JSON ``{index: name}``), ``task``,
+      ``imgsz``, ``batch``, ``dynamic``, ``quantized``, ``half``, ``end2end`` and ``version`` are always set.
+
+    The report: ``path``, ``size``, ``inputs``/``outputs`` (name, shape, dtype), ``opset``, ``quantized``,
+    ``qdq_pairs`` (activation Q -> DQ), ``int8_weights`` (weights stored as INT8 -> DQ),
+    ``quantized_conv``/``conv``, ``deduped``, ``lint`` (quantized models; None otherwise),
+    ``simplify`` ('off', 'done' or 'failed: why; kept the unsimplified graph'), ``half``, ``end2end``,
+    ``metadata``, ``seconds``.
+    """
+    from utils.qat import end2end as e2e
+    start = time.time()
+    path = Path(path)
+    h, w = (int(imgsz), int(imgsz)) if isinstance(imgsz, int) else (int(imgsz[0]), int(imgsz[-1]))
+    if batch_size < 1:
+        raise QATError(f"--batch-size must be at least 1, got {batch_size}.")
+    if opset < 13:
+        raise QATError(f"opset {opset} is too old for per-channel Q/DQ; pass --opset 13 or newer (default 17).")
+    nms = e2e.NMSOptions(**end2end).check() if end2end is not None else None
+    if nms is not None and task not in ("detect", "segment"):
+        raise QATError(f"End2End export (NMS in the graph) needs a detection or segmentation model, but this is a "
+                       f"{task} model; export it with --include onnx.")
+    if nms is not None and post is not None:
+        raise QATError("End2End export cannot be combined with a custom output layout.")
+    quantized = is_quantized_model(model)
+    device = torch.device(device)
+    model = model.to(device).eval()
+    head = find_head(model)
+    stride = int(max(model.stride.tolist())) if hasattr(model, "stride") and model.stride is not None else 32
+    names = dict(getattr(model, "names", {}) or {})
+    nc = int(getattr(head, "nc", 0) or getattr(model, "nc", 0) or len(names))
+    input_names = list(input_names or [INPUT_NAME])
+    output_names = list(output_names or OUTPUT_NAMES.get(task, ["output0"]))
+    dynamic_axes: dict[str, dict[int, str]] = {}
+    if dynamic:
+        dynamic_axes[input_names[0]] = {0: "batch", **({2: "height", 3: "width"} if dynamic_hw else {})}
+        for name in output_names:
+            dynamic_axes[name] = {0: "batch"}
+        if dynamic_hw and task in ("detect", "segment"):
+            dynamic_axes[output_names[0]][1 if post is not None else 2] = "anchors"
+            if task == "segment" and len(output_names) > 1:
+                dynamic_axes[output_names[1]].update({2: "proto_height", 3: "proto_width"})
+    wrapper = _Exportable(model, task, post).eval()
+    example = torch.zeros(batch_size, 3, h, w, device=device)
+
+    try:
+        with atomic_path(path) as tmp, _export_mode(head, dynamic_hw=dynamic and dynamic_hw, inplace=inplace), \
+                torch.no_grad(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
+            warnings.filterwarnings("ignore", category=UserWarning)
+            warnings.filterwarnings("ignore", category=DeprecationWarning)
+            warnings.filterwarnings("ignore", category=FutureWarning)
+            try:
+                torch.onnx.export(wrapper, (example,), str(tmp), dynamo=False, opset_version=opset,
+                                  input_names=input_names, output_names=output_names,
+                                  dynamic_axes=dynamic_axes or None, do_constant_folding=True)
+            except OSError:
+                raise
+            except Exception as e:  # the exporter raises many types (unsupported opset / op, tracing errors)
+                why = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+                raise QATError(f"torch.onnx.export failed at opset {opset} ({type(e).__name__}: {why}); the "
+                               f"TorchScript exporter supports opsets 13-20 here: try --opset 17.") from e
+            onnx_model = onnx.load(str(tmp))
+            if len(wrapper.shapes) != len(output_names):
+                raise QATError(f"the model produced {len(wrapper.shapes)} outputs but {len(output_names)} names were "
+                               f"given ({', '.join(output_names)}); is --task right for this model?")
+            _fix_output_shapes(onnx_model, wrapper.shapes, dynamic_axes)
+            onnx_model, deduped = onnx_qdq.dedupe_qdq(onnx_model)
+            folded = fold_weight_qdq(onnx_model, quantized_weights(wrapper)) if quantized else 0
+            simplify_status = "off"
+            if simplify:
+                try:
+                    onnx_model = onnx_qdq.simplify(onnx_model)
+                    simplify_status = "done"
+                except RuntimeError as e:
+                    simplify_status = f"failed: {e}; kept the unsimplified graph"
+            lint = None
+            if quantized:
+                patterns = tuple(onnx_qdq.DEFAULT_ALLOW_FP) + tuple(_module_to_onnx_pattern(p) for p in allow_fp)
+                lint = onnx_qdq.lint(onnx_model, allow_fp=patterns)
+            summary = onnx_qdq.qdq_summary(onnx_model)
+            if half:
+                onnx_model = to_half(onnx_model)
+            if nms is not None:
+                onnx_model = e2e.append_nms(onnx_model, nc=nc, task=task, options=nms,
+                                            pred=output_names[0], protos=output_names[-1])
+            meta = {
+                "stride": str(stride),
+                "names": json.dumps({str(k): v for k, v in names.items()}),
+                "task": task,
+                "imgsz": json.dumps([h, w]),
+                "batch": "dynamic" if dynamic else str(batch_size),
+                "dynamic": json.dumps({"batch": bool(dynamic), "hw": bool(dynamic and dynamic_hw)}),
+                "quantized": "true" if quantized else "false",
+                "half": "true" if half else "false",
+                "end2end": json.dumps(nms.to_dict()) if nms is not None else "null",
+                "version": __version__,
+                "producer": "yolov9-qat export_onnx",
+            }
+            meta.update({k: v for k, v in (metadata or {}).items() if v is not None})
+            _set_metadata(onnx_model, meta)
+            onnx_model.producer_name = "yolov9-qat"
+            onnx_model.producer_version = __version__
+            onnx.checker.check_model(onnx_model)
+            onnx.save(onnx_model, str(tmp))
+            readable(tmp)
+    except OSError as e:
+        raise QATError(f"cannot write {path} ({e.strerror or e}); choose a writable folder or free some disk "
+                       f"space.") from e
+    except onnx.checker.ValidationError as e:
+        raise QATError(f"the exported graph failed the ONNX checker ({str(e).splitlines()[0]}); try another "
+                       f"--opset (13-20) or export without --half.") from e
+
+    final = onnx_qdq.qdq_summary(onnx_model) if (half or nms is not None) else summary
+    return {
+        "path": str(path),
+        "size": path.stat().st_size,
+        "inputs": final["inputs"],
+        "outputs": final["outputs"],
+        "opset": final["opset"],
+        "quantized": quantized,
+        "qdq_pairs": summary["qdq_pairs"],
+        "quantized_conv": summary["quantized_conv"],
+        "conv": summary["conv"],
+        "deduped": deduped,
+        "int8_weights": folded,
+        "lint": lint,
+        "simplify": simplify_status,
+        "half": bool(half),
+        "end2end": nms.to_dict() if nms is not None else None,
+        "metadata": meta,
+        "seconds": round(time.time() - start, 1),
+    }
+
+
+def _shape(io: dict) -> str:
+    shape = io.get("shape")
+    dims = "?" if shape is None else "x".join("?" if d is None else str(d) for d in shape)
+    return f"{io['name']} {dims} {io.get('dtype') or ''}".rstrip()
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    return f"{n} B"
+
+
+def format_report(report: dict) -> str:
+    """What an export wrote, for the CLIs to print."""
+    lines = [f"wrote {report['path']} ({_size(report['size'])}, {report['seconds']} s)",
+             f"  inputs:  {', '.join(_shape(i) for i in report['inputs'])}",
+             f"  outputs: {', '.join(_shape(o) for o in report['outputs'])}",
+             f"  opset {report['opset']}, {'INT8 Q/DQ' if report['quantized'] else 'floating point'}"
+             + (", FP16 (inputs/outputs FP32)" if report["half"] else "")
+             + f", simplify: {report['simplify']}"]
+    if report["quantized"]:
+        lines.append(f"  Q/DQ pairs {report['qdq_pairs']} (merged {report['deduped']} redundant nodes), "
+                     f"quantized convs {report['quantized_conv']}/{report['conv']}, "
+                     f"{report['int8_weights']} weights stored as INT8")
+    if report["end2end"]:
+        e = report["end2end"]
+        plugin = "EfficientNMS_TRT plugin" if e["backend"] == "trt" else "ONNX NonMaxSuppression"
+        lines.append(f"  End2End: {plugin}, topk {e['topk_all']}, iou {e['iou_thres']}, conf {e['conf_thres']}"
+                     + (", class-agnostic" if e["class_agnostic"] else ""))
+    if report["lint"] is not None:
+        text = onnx_qdq.format_lint(report["lint"])
+        if report["half"]:
+            text = text.replace("Q/DQ lint:", "Q/DQ lint (before FP16 casts):", 1)
+        lines.extend("  " + line for line in text.splitlines())
+    return "\n".join(lines)

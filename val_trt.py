@@ -1,0 +1,167 @@
+"""Evaluate an exported model, a TensorRT engine or an ONNX graph, with the toolkit's shared evaluator.
+
+    python3 val_trt.py --engine-file runs/qat/exp/weights/qat_best.engine --data data/coco.yaml --imgsz 640
+    python3 val_trt.py --onnx runs/qat/exp/weights/qat_best.onnx --backend onnxruntime --data data/coco.yaml
+
+Same dataloader, NMS and metrics as `qat.py eval` and upstream val.py, so the numbers compare directly
+with the PyTorch checkpoint the export came from. Plain exports (output0) and End2End exports (num_dets,
+det_boxes, det_scores, det_classes; e.g. export_qat.py --include onnx_end2end --nms onnx) both work; an
+End2End graph's own NMS settings (--conf-thres / --iou-thres of the export) apply to it.
+Writes results.json (and predictions.json with --save-json) to --project/--name.
+"""
+from __future__ import annotations
+
+from utils.qat import compat
+
+compat.apply()
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+from utils.qat.errors import QATError, run_cli  # noqa: E402
+
+BACKENDS = ("tensorrt", "onnxruntime")
+
+
+def get_args_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="val_trt.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--engine-file", default=None, help="TensorRT engine (built by scripts/generate_trt_engine.sh)")
+    src.add_argument("--onnx", default=None, help="ONNX graph (export_qat.py), run with --backend onnxruntime")
+    p.add_argument("--backend", choices=BACKENDS, default=None,
+                   help="tensorrt (default with --engine-file) or onnxruntime (default with --onnx)")
+    p.add_argument("--data", required=True, help="dataset yaml")
+    p.add_argument("--batch-size", type=int, default=32, help="batch size (a static engine/graph uses its own)")
+    p.add_argument("--imgsz", "--img", "--img-size", dest="imgsz", type=int, default=640,
+                   help="inference size in pixels (a static engine/graph uses its own)")
+    p.add_argument("--conf-thres", type=float, default=0.001, help="confidence threshold (plain exports)")
+    p.add_argument("--iou-thres", type=float, default=0.7, help="NMS IoU threshold (plain exports)")
+    p.add_argument("--max-det", type=int, default=300, help="detections per image (plain exports)")
+    p.add_argument("--device", default="", help="cuda:0, 0 or cpu (default: first GPU, else CPU)")
+    p.add_argument("--task", choices=("detect", "segment"), default=None,
+                   help="detect or segment (default: from the model's metadata)")
+    p.add_argument("--num-image", type=int, default=None, help="evaluate on the first N validation images")
+    p.add_argument("--workers", type=int, default=8, help="dataloader workers")
+    p.add_argument("--save-json", action="store_true", help="also save COCO-style predictions (predictions.json)")
+    p.add_argument("--project", default="runs/val_trt", help="results go to project/name")
+    p.add_argument("--name", default="exp")
+    p.add_argument("--exist-ok", action="store_true", help="reuse project/name instead of incrementing it")
+    p.add_argument("--report", default=None,
+                   help="also add this result as a row to a qat.py report.json (and rewrite its report.md)")
+    p.add_argument("--report-name", default=None, help="row name for --report (default: the runtime name)")
+    return p
+
+
+class _BoxesOnly:
+    """A segmentation backend seen as a detector: the box/class rows of ``pred`` (masks not scored)."""
+
+    def __init__(self, backend, nc: int):
+        self.backend, self.nc = backend, nc
+        for k in ("device", "stride", "names", "batch_size", "imgsz", "end2end", "task"):
+            setattr(self, k, getattr(backend, k, None))
+
+    def __call__(self, images):
+        out = self.backend(images)
+        if isinstance(out, dict):
+            return {k: v for k, v in out.items() if k != "det_masks"}
+        pred = out[0] if isinstance(out, (tuple, list)) else out
+        return pred[:, :4 + self.nc]
+
+
+def make_backend(args: argparse.Namespace):
+    """The evaluator backend for --engine-file / --onnx (TensorRT imported only when asked for)."""
+    from utils.qat.device import select_device
+    backend = args.backend or ("tensorrt" if args.engine_file else "onnxruntime")
+    source = Path(args.engine_file or args.onnx)
+    if backend == "tensorrt":
+        if args.onnx:
+            raise QATError("--backend tensorrt runs engines: pass --engine-file X.engine (build one from the ONNX with "
+                           "scripts/generate_trt_engine.sh), or use --backend onnxruntime for --onnx.")
+        from utils.qat.trt_engine import TRTBackend, trt_version
+        if not source.is_file():
+            raise QATError(f"engine file {source} not found; build it with scripts/generate_trt_engine.sh ONNX ENGINE.")
+        trt_version()  # a QATError naming the install command when TensorRT is missing
+        device = (args.device or "cuda:0").strip()
+        return TRTBackend(source, f"cuda:{device}" if device.isdigit() else device), source, "TensorRT"
+    if args.engine_file:
+        raise QATError("--backend onnxruntime runs ONNX graphs, not TensorRT engines: pass --onnx X.onnx.")
+    from utils.qat.backends import ORTBackend
+    device = select_device(args.device) if args.device else torch.device("cpu")
+    if source.suffix.lower() != ".onnx" and source.is_file():
+        raise QATError(f"{source} is not an .onnx file; export one with export_qat.py --include onnx.")
+    try:
+        return ORTBackend(source, device), source, "ONNX Runtime"
+    except QATError:
+        raise
+    except Exception as e:  # onnxruntime raises its own types for unreadable graphs
+        raise QATError(f"ONNX Runtime cannot load {source} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                       f"re-export it with export_qat.py (graphs with TensorRT plugins, e.g. --nms trt, run in "
+                       f"TensorRT only: export with --nms onnx to evaluate here).") from e
+
+
+def run_dir(args: argparse.Namespace) -> Path:
+    from utils.general import increment_path
+    path = Path(increment_path(Path(args.project) / args.name, exist_ok=args.exist_ok))
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise QATError(f"cannot create the results folder {path} ({e.strerror or e}); pass a writable "
+                       f"--project.") from e
+    return path
+
+
+def main(args: argparse.Namespace) -> dict:
+    from utils.qat import reports
+    from utils.qat.atomic import write_text
+    from utils.qat.data import check_imgsz, load_data_yaml
+    from utils.qat.evaluate import evaluate
+    if args.batch_size < 1:
+        raise QATError(f"--batch-size must be at least 1, got {args.batch_size}.")
+    if args.num_image is not None and args.num_image < 1:
+        raise QATError(f"--num-image must be at least 1, got {args.num_image}.")
+    if args.report and not Path(args.report).is_file():
+        raise QATError(f"--report {args.report} not found; pass the report.json that qat.py quantize wrote.")
+    data = load_data_yaml(args.data, splits=("val",))
+    backend, source, runtime = make_backend(args)
+    task = args.task or getattr(backend, "task", None) or "detect"
+    if task == "segment":
+        nc = len(backend.names or data["names"])
+        print("notice: segmentation model: box metrics only (masks are not scored by this evaluator).")
+        backend = _BoxesOnly(backend, nc)
+    if backend.names and len(backend.names) != len(data["names"]):
+        raise QATError(f"{source} predicts {len(backend.names)} classes but {args.data} has {len(data['names'])}; "
+                       f"evaluate it on the dataset it was trained for.")
+    imgsz = check_imgsz(args.imgsz, int(backend.stride))
+    if backend.imgsz is not None and max(backend.imgsz) != imgsz:
+        print(f"notice: {source.name} has a fixed input of {backend.imgsz[0]}x{backend.imgsz[1]}; evaluating at that "
+              f"size instead of --imgsz {imgsz}.")
+    if backend.batch_size is not None and backend.batch_size != args.batch_size:
+        print(f"notice: {source.name} has a fixed batch of {backend.batch_size}; using it instead of --batch-size "
+              f"{args.batch_size}.")
+    out = run_dir(args)
+    kind = "End2End" if getattr(backend, "end2end", False) else "plain"
+    start = time.time()
+    m = evaluate(backend, data, imgsz=imgsz, batch_size=args.batch_size, conf_thres=args.conf_thres,
+                 iou_thres=args.iou_thres, max_det=args.max_det, workers=args.workers, num_images=args.num_image,
+                 save_json=out / "predictions.json" if args.save_json else None, desc=f"{runtime} ({kind})")
+    row = reports.entry(source.name, source, m, time.time() - start, backend=runtime, graph=kind, task=task,
+                        imgsz=list(backend.imgsz) if backend.imgsz else imgsz)
+    write_text(out / "results.json", json.dumps({**row, "instances": m.instances, "per_class": m.per_class,
+                                                  "conf_thres": args.conf_thres, "iou_thres": args.iou_thres},
+                                                 indent=2))
+    if args.report:
+        reports.add_row(args.report, {**row, "name": args.report_name or f"INT8 {runtime}"})
+        print(f"added to {args.report} (and report.md beside it)")
+    print()
+    print(reports.table([row]))
+    print(f"\n{m.images} images, {m.instances} instances, {row['seconds']} s; results in {out / 'results.json'}")
+    return row
+
+
+if __name__ == "__main__":
+    run_cli(lambda: main(get_args_parser().parse_args()))
