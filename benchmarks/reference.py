@@ -56,6 +56,9 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-image", type=int, default=None, help="images for the sensitivity analysis")
     p.add_argument("--onnx-device", default="cpu", help="ONNX Runtime device (cpu or cuda:0)")
     p.add_argument("--stages", default=",".join(STAGES))
+    p.add_argument("--no-simplify", action="store_true", help="export without onnxslim")
+    p.add_argument("--name", default="qat", help="run name of the QAT stage (and the checkpoint the onnx stage exports)")
+    p.add_argument("--skip-layers", default="", help="--skip-layers for the QAT stage")
     p.add_argument("--out", required=True)
     p.add_argument("--title", default=None)
     p.add_argument("--render-only", action="store_true", help="only re-render results.md/png from results.json")
@@ -212,7 +215,7 @@ def main(args) -> None:
         return run
 
     if "qat" in stages:
-        qat_run("qat")
+        qat_run(args.name, *(["--skip-layers", args.skip_layers] if args.skip_layers else []))
 
     if "sensitive" in stages:
         with bench.timed("sensitivity analysis"):
@@ -234,18 +237,19 @@ def main(args) -> None:
     if "onnx" in stages:
         from utils.qat.onnx_export import export_onnx
         from utils.qat.onnx_qdq import lint
-        best = Path(args.out) / "runs" / "qat" / "weights" / f"qat_best_{Path(args.weights).stem}.pt"
+        best = Path(args.out) / "runs" / args.name / "weights" / f"qat_best_{Path(args.weights).stem}.pt"
         model, info, ckpt = checkpoint.load_quantized(best)
         onnx_path = best.with_suffix(".onnx")
         with bench.timed("export Q/DQ ONNX"):
-            export_onnx(model, onnx_path, imgsz=(args.imgsz, args.imgsz), dynamic=True, simplify=True,
+            export_onnx(model, onnx_path, imgsz=(args.imgsz, args.imgsz), dynamic=True, simplify=not args.no_simplify,
                         metadata={"stride": int(model.stride.max()), "names": json.dumps(model.names), "task": "detect"})
-        findings = lint(onnx_path, allow_fp=["*dfl*"])
+        findings = lint(onnx_path, allow_fp=["*dfl*", *(f"*/model.{i}/*" for i in info.skip if str(i).isdigit())])
         bench.results["lint"] = {"total": findings["total"], "findings": {k: v["count"] for k, v in findings["findings"].items()},
                                  "stats": findings["stats"]}
         with bench.timed("eval INT8 ONNX Runtime"):
             m = evaluate(ORTBackend(onnx_path, args.onnx_device), data, desc="INT8 ONNX Runtime", **common)
-            bench.row("INT8 ONNX Runtime (QAT)", m, weights=onnx_path)
+            label = "" if args.name == "qat" else f" ({args.name})"
+            bench.row(f"INT8 ONNX Runtime (QAT{label})", m, weights=onnx_path)
     bench.save()
     print(render(bench.results, args.title or Path(args.weights).name))
 

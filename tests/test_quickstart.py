@@ -1,0 +1,33 @@
+"""The quickstart (README's first command) end to end, as an integration test."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+from conftest import REPO
+
+
+def test_quickstart_end_to_end(tmp_path):
+    work = tmp_path / "qs"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "YOLOV9_QAT_QUIET": "1"}
+    r = subprocess.run(["bash", str(REPO / "scripts" / "quickstart.sh"), str(work)], capture_output=True, text=True,
+                       env=env, timeout=1500)
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    run = work / "runs" / "quickstart"
+    weights = run / "weights"
+    for f in (run / "report.json", run / "report.md", run / "qat_ap.png", weights / "qat_best_gelan-qs-shapes.pt",
+              weights / "qat_best_gelan-qs-shapes.onnx", work / "runs" / "quickstart-onnx" / "results.json"):
+        assert f.is_file() and f.stat().st_size > 0, f
+    assert list(weights.glob("ptq_ap_*.pt")) and list(weights.glob("qat_ep_1_ap_*.pt"))
+
+    from utils.qat.onnx_qdq import lint
+    report = lint(weights / "qat_best_gelan-qs-shapes.onnx")
+    assert report["total"] == 0, report["findings"]
+
+    rows = {m["name"]: m for m in json.loads((run / "report.json").read_text())["models"]}
+    assert set(rows) == {"Origin", "PTQ", "QAT", "INT8 ONNX Runtime"}
+    assert abs(rows["INT8 ONNX Runtime"]["AP"] - rows["QAT"]["AP"]) <= 0.01
+    assert rows["QAT"]["AP"] >= rows["Origin"]["AP"] - 0.02
+    assert "INT8 ONNX Runtime" in (run / "report.md").read_text()
+    assert "Next, on your own model" in r.stdout
