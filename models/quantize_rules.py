@@ -31,7 +31,8 @@ from utils.qat.errors import QATError
 
 ACTIVATION = {"num_bits": 8, "axis": None}  # per tensor, symmetric (zero point 0)
 WEIGHT = {"num_bits": 8, "axis": 0}  # per output channel
-ALWAYS_FP = ["*dfl*"]  # distribution focal loss decode conv of the detect heads
+ALWAYS_FP = ["*dfl*"]
+UNQUANTIZED_PARENTS = ("nn.BatchNorm1d", "nn.BatchNorm2d", "nn.BatchNorm3d", "nn.LeakyReLU")  # distribution focal loss decode conv of the detect heads
 
 # Operations TensorRT lets an INT8 scale pass through unchanged.
 SCALE_TRANSPARENT = {"cat", "concat", "concatenate", "chunk", "split", "tensor_split", "unbind",
@@ -44,6 +45,8 @@ def int8_config(fp_patterns: Sequence[str] = ()) -> dict:
     cfg = [{"quantizer_name": "*", "enable": False},
            {"quantizer_name": "*weight_quantizer", "cfg": dict(WEIGHT)},
            {"quantizer_name": "*input_quantizer", "cfg": dict(ACTIVATION)}]
+    # modelopt also quantizes these by default; TensorRT fuses them into the conv before them instead
+    cfg += [{"quantizer_name": "*", "parent_class": cls, "enable": False} for cls in UNQUANTIZED_PARENTS]
     cfg += [{"quantizer_name": p if p.endswith("quantizer") else f"{p}*", "enable": False}
             for p in [*ALWAYS_FP, *fp_patterns]]
     return {"quant_cfg": cfg, "algorithm": None}
