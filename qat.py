@@ -15,7 +15,6 @@ import shutil  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-import torch  # noqa: E402
 
 from utils.qat import checkpoint, reports  # noqa: E402
 from utils.qat.backends import TorchBackend  # noqa: E402
@@ -202,9 +201,9 @@ def cmd_quantize(args) -> Path:
 def cmd_sensitive(args) -> Path:
     import json
 
-    from models.quantize_rules import input_quantizers
-    from utils.qat.atomic import write_text
     from modelopt.torch.quantization.nn import TensorQuantizer
+
+    from utils.qat.atomic import write_text
     device = select_device(args.device)
     fp = checkpoint.load_fp(args.weights)
     data = load_data_yaml(args.data, splits=("train", "val"))

@@ -271,23 +271,14 @@ def test_skip_layer_errors(yolov9_tree):
         prepare(model, skip=["model.7.nothing*"])
 
 
-def _frelu_model():
+def _per_conv_activation(name: str):
+    """TINY_GELAN with a channel-dependent activation (FReLU, AconC) in every Conv: yamls cannot express it."""
     from models.common import Conv
-    from utils.activations import FReLU
+    from utils import activations
     model = build(TINY_GELAN)
     for m in model.modules():
         if isinstance(m, Conv) and not isinstance(m.act, torch.nn.Identity):
-            m.act = FReLU(m.conv.out_channels)
-    return model
-
-
-def _aconc_model():
-    from models.common import Conv
-    from utils.activations import AconC
-    model = build(TINY_GELAN)
-    for m in model.modules():
-        if isinstance(m, Conv) and not isinstance(m.act, torch.nn.Identity):
-            m.act = AconC(m.conv.out_channels)
+            m.act = getattr(activations, name)(m.conv.out_channels)
     return model
 
 
@@ -296,8 +287,8 @@ ACTIVATIONS = {
     "ReLU": lambda: build({**TINY_GELAN, "activation": "nn.ReLU()"}),
     "LeakyReLU": lambda: build({**TINY_GELAN, "activation": "nn.LeakyReLU(0.1)"}),
     "Mish": lambda: build({**TINY_GELAN, "activation": "nn.Mish()"}),
-    "FReLU": _frelu_model,
-    "AconC": _aconc_model,
+    "FReLU": lambda: _per_conv_activation("FReLU"),
+    "AconC": lambda: _per_conv_activation("AconC"),
 }
 
 

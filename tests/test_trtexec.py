@@ -184,7 +184,7 @@ def test_report_from_fixture_logs(tmp_path):
     assert "| **INT8** vs **FP16** | | | | |" in md
     assert f"| | 8 | {cmp8['latency_p99_pct']:+.1f}% | {cmp8['throughput_pct']:+.1f}% |" in md
     assert f"| **FP16** | 1 | {res['engines']['FP16']['batches']['1']['latency_p99_ms']:.3g} ms |" in md
-    assert f"|  | 12 |" in md and "Total Inferences (IPS)" in md
+    assert "|  | 12 |" in md and "Total Inferences (IPS)" in md
     paths = bench_report.write_report(res, tmp_path / "out")
     assert json.loads(paths["json"].read_text())["engines"]["INT8"]["source"] == "qat.onnx"
     assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

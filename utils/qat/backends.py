@@ -21,7 +21,7 @@ END2END_OUTPUTS = ("num_dets", "det_boxes", "det_scores", "det_classes")
 
 
 class TorchBackend:
-    def __init__(self, model: nn.Module, device: torch.device, half: bool = False, task: str = "detect"):
+    def __init__(self, model: nn.Module, device: torch.device, half: bool = False):
         self.model = model.to(device).eval()
         self.device = device
         self.fp16 = half and device.type == "cuda"
@@ -32,23 +32,16 @@ class TorchBackend:
         self.batch_size = None
         self.imgsz = None
         self.end2end = False
-        self.task = task
+        self.task = "detect"
 
     @torch.no_grad()
     def __call__(self, images: torch.Tensor):
         out = self.model(images.half() if self.fp16 else images)
-        return main_output(out, self.task)
+        return main_output(out)
 
 
-def main_output(out, task: str = "detect"):
-    """The inference tensor(s) of a YOLOv9 head in eval mode, main branch for dual heads."""
-    if isinstance(out, (tuple, list)) and task == "segment":
-        # Segment head: ((pred, protos), train_out) or (pred, protos) in export mode
-        head = out[0] if isinstance(out[0], (tuple, list)) and len(out) == 2 and not torch.is_tensor(out[0]) else out
-        pred, protos = head[0], head[-1]
-        if isinstance(pred, (tuple, list)):
-            pred = pred[-1]
-        return pred, protos
+def main_output(out):
+    """The inference tensor of a YOLOv9 detection head in eval mode (the main branch of dual heads)."""
     if isinstance(out, (tuple, list)):
         out = out[0]
     if isinstance(out, (tuple, list)):  # DualDDetect: [aux, main]

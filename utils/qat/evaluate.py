@@ -11,7 +11,6 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from utils.qat.atomic import write_text
