@@ -11,6 +11,7 @@ from utils.qat import compat
 compat.apply()
 
 import argparse  # noqa: E402
+import copy  # noqa: E402
 import shutil  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -118,8 +119,14 @@ def _calibrated(fp_model, data, args, device, skip=()):
     return qmodel, info
 
 
+def _copy_atomic(src: Path, dest: Path) -> None:
+    from utils.qat.atomic import atomic_path
+    with atomic_path(dest) as tmp:
+        shutil.copyfile(src, tmp)
+
+
 def cmd_quantize(args) -> Path:
-    from models.quantize import finetune
+    from models.quantize import finetune, fuse
     from utils.general import init_seeds
     device = select_device(args.device)
     fp = checkpoint.load_fp(args.weights)
@@ -161,13 +168,11 @@ def cmd_quantize(args) -> Path:
         best_path = wdir / f"qat_best_{stem}.pt"
         best = {"AP": ptq_ap, "epoch": 0, "row": None}
         if ptq_ap is not None:
-            shutil.copyfile(ptq_path, best_path)  # the starting point counts: fine-tuning must beat it
+            _copy_atomic(ptq_path, best_path)  # the starting point counts: fine-tuning must beat it
 
         loader, _ = dataloader(data, "train", args.imgsz, args.batch_size, stride, workers=args.workers,
                                rect=False, shuffle=True, hyp=hyp, prefix="QAT: ")
-        teacher = checkpoint.load_fp(args.weights)
-        from models.quantize import fuse
-        teacher = fuse(teacher)
+        teacher = fuse(copy.deepcopy(fp))
 
         def on_epoch_end(result):
             epoch = result.epoch + 1
@@ -179,8 +184,7 @@ def cmd_quantize(args) -> Path:
                            "train_seconds": round(result.seconds, 1), "weights": str(path)})
             if best["AP"] is None or m.mAP50_95 > best["AP"]:
                 best.update(AP=m.mAP50_95, epoch=epoch, row=row)
-                shutil.copyfile(path, best_path.with_suffix(".pt.part"))
-                best_path.with_suffix(".pt.part").replace(best_path)
+                _copy_atomic(path, best_path)
             save_report()
 
         finetune(qmodel, teacher, lambda: images_only(loader, device), epochs=args.epochs, iters=args.iters,

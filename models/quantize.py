@@ -248,7 +248,6 @@ def finetune(model: nn.Module, teacher: nn.Module, batches: Callable[[], Iterabl
             result = EpochResult(epoch, running / max(steps, 1), time.time() - start)
             results.append(result)
             if on_epoch_end is not None:
-                model.eval()
                 on_epoch_end(result)
     finally:
         student_taps.close()
