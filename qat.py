@@ -251,10 +251,10 @@ def cmd_eval(args) -> Path:
     device = select_device(args.device)
     ckpt = checkpoint.read(args.weights)
     if checkpoint.is_quantized(ckpt):
-        model, info, _ = checkpoint.load_quantized(args.weights)
+        model, info, _ = checkpoint.load_quantized(args.weights, ckpt=ckpt)
         kind = f"INT8 ({info.calib_method})"
     elif args.allow_fp:
-        model, kind = checkpoint.load_fp(args.weights), "FP"
+        model, kind = checkpoint.load_fp(args.weights, ckpt=ckpt), "FP"
     else:
         raise QATError(f"{args.weights} is a floating-point checkpoint; pass --allow-fp to evaluate it, "
                        "or give a quantized checkpoint from `qat.py quantize`.")

@@ -12,6 +12,7 @@ Run from the top of a patched YOLOv9 tree:
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -184,15 +185,14 @@ def main(args) -> None:
     data = load_data_yaml(args.data, splits=("train", "val"))
     common = dict(imgsz=args.imgsz, batch_size=args.batch_size, workers=args.workers)
 
+    fp = checkpoint.load_fp(args.weights) if stages & {"fp", "ptq"} else None
     if "fp" in stages:
         with bench.timed("eval FP"):
-            fp = checkpoint.load_fp(args.weights)
             from models.quantize import fuse
-            bench.row("Origin", evaluate(TorchBackend(fuse(fp), device), data, desc="Origin", **common))
+            bench.row("Origin", evaluate(TorchBackend(fuse(copy.deepcopy(fp)), device), data, desc="Origin", **common))
 
     if "ptq" in stages:
         ns = argparse.Namespace(**{**vars(args), "percentile": 99.99})
-        fp = checkpoint.load_fp(args.weights)
         for method in args.methods.split(","):
             ns.calib_method = method
             with bench.timed(f"calibrate {method}"):

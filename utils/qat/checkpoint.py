@@ -59,9 +59,10 @@ def check_task(ckpt: dict, path, task: str) -> None:
     raise QATError(f"{path} holds a {have} model but this command needs a {task} model; {hint}.")
 
 
-def load_fp(path: str | os.PathLike, task: str = "detect") -> nn.Module:
-    """The FP model of an upstream checkpoint (EMA weights when present), float32, eval mode."""
-    ckpt = read(path)
+def load_fp(path: str | os.PathLike, task: str = "detect", ckpt: dict | None = None) -> nn.Module:
+    """The FP model of an upstream checkpoint (EMA weights when present), float32, eval mode.
+    ``ckpt``: the checkpoint if it was already read (saves reading the file twice)."""
+    ckpt = read(path) if ckpt is None else ckpt
     if is_quantized(ckpt):
         raise QATError(f"{path} is a quantized (yolov9-qat) checkpoint but this step needs the floating-point "
                        "model; pass the original weights (e.g. yolov9-c-converted.pt).")
@@ -111,13 +112,13 @@ def rebuild(ckpt: dict) -> nn.Module:
     return fuse(model.float())
 
 
-def load_quantized(path: str | os.PathLike, task: str = "detect"):
+def load_quantized(path: str | os.PathLike, task: str = "detect", ckpt: dict | None = None):
     """Rebuild a quantized model in this process. Returns ``(model, QuantInfo, ckpt)``."""
     import modelopt.torch.opt as mto
 
     from models import quantize_rules as rules
     from models.quantize import QuantInfo
-    ckpt = read(path)
+    ckpt = read(path) if ckpt is None else ckpt
     if not is_quantized(ckpt):
         raise QATError(f"{path} is a floating-point checkpoint, not a quantized one; run `qat.py quantize` "
                        "first, or pass --allow-fp to evaluate it as it is.")

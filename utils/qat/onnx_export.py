@@ -58,9 +58,9 @@ def load_for_export(weights: str | os.PathLike, ckpt: dict | None = None):
     ckpt = checkpoint.read(weights) if ckpt is None else ckpt
     task = checkpoint.task_of(ckpt)
     if checkpoint.is_quantized(ckpt):
-        model, info, _ = checkpoint.load_quantized(weights, task=task)
+        model, info, _ = checkpoint.load_quantized(weights, task=task, ckpt=ckpt)
         return model.eval(), task, True, list(info.fp_patterns)
-    model = checkpoint.load_fp(weights, task=task)
+    model = checkpoint.load_fp(weights, task=task, ckpt=ckpt)
     if hasattr(model, "fuse"):
         model = model.fuse()
     return model.eval(), task, False, []
