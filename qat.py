@@ -81,13 +81,6 @@ def get_args_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def run_dir(args) -> Path:
-    from utils.general import increment_path
-    path = Path(increment_path(Path(args.project) / args.name, exist_ok=args.exist_ok))
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
 def _score(backend, data, args, desc: str, num_images: int | None = None):
     start = time.time()
     m = evaluate(backend, data, imgsz=args.imgsz, batch_size=args.batch_size, conf_thres=getattr(args, "conf_thres", 0.001),
@@ -136,7 +129,7 @@ def cmd_quantize(args) -> Path:
     args.imgsz = check_imgsz(args.imgsz, stride)
     init_seeds(args.seed)
     skip = [s for s in args.skip_layers.split(",") if s.strip()]
-    out = run_dir(args)
+    out = reports.run_dir(args.project, args.name, args.exist_ok)
     wdir = out / "weights"
     wdir.mkdir(exist_ok=True)
     stem = Path(args.weights).stem
@@ -212,7 +205,7 @@ def cmd_sensitive(args) -> Path:
     fp = checkpoint.load_fp(args.weights)
     data = load_data_yaml(args.data, splits=("train", "val"))
     args.imgsz = check_imgsz(args.imgsz, int(fp.stride.max()))
-    out = run_dir(args)
+    out = reports.run_dir(args.project, args.name, args.exist_ok)
     qmodel, info = _calibrated(fp, data, args, device)
     backend = TorchBackend(qmodel, device)
     base, _ = _score(backend, data, args, "all layers INT8", args.num_image)
@@ -260,7 +253,7 @@ def cmd_eval(args) -> Path:
                        "or give a quantized checkpoint from `qat.py quantize`.")
     data = load_data_yaml(args.data, splits=("val",))
     args.imgsz = check_imgsz(args.imgsz, int(model.stride.max()))
-    out = run_dir(args)
+    out = reports.run_dir(args.project, args.name, args.exist_ok)
     start = time.time()
     m = evaluate(TorchBackend(model, device), data, imgsz=args.imgsz, batch_size=args.batch_size,
                  conf_thres=args.conf_thres, iou_thres=args.iou_thres, workers=args.workers,

@@ -104,17 +104,6 @@ def make_backend(args: argparse.Namespace):
                        f"TensorRT only: export with --nms onnx to evaluate here).") from e
 
 
-def run_dir(args: argparse.Namespace) -> Path:
-    from utils.general import increment_path
-    path = Path(increment_path(Path(args.project) / args.name, exist_ok=args.exist_ok))
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise QATError(f"cannot create the results folder {path} ({e.strerror or e}); pass a writable "
-                       f"--project.") from e
-    return path
-
-
 def main(args: argparse.Namespace) -> dict:
     from utils.qat import reports
     from utils.qat.atomic import write_text
@@ -143,7 +132,7 @@ def main(args: argparse.Namespace) -> dict:
     if backend.batch_size is not None and backend.batch_size != args.batch_size:
         print(f"notice: {source.name} has a fixed batch of {backend.batch_size}; using it instead of --batch-size "
               f"{args.batch_size}.")
-    out = run_dir(args)
+    out = reports.run_dir(args.project, args.name, args.exist_ok)
     kind = "End2End" if getattr(backend, "end2end", False) else "plain"
     start = time.time()
     m = evaluate(backend, data, imgsz=imgsz, batch_size=args.batch_size, conf_thres=args.conf_thres,

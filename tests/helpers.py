@@ -73,10 +73,9 @@ def reinit(model: nn.Module, seed: int = 0) -> nn.Module:
 
 def build(cfg, nc: int | None = None, seed: int = 0) -> nn.Module:
     """A DetectionModel from a yaml path or dict, re-initialised, with class names set."""
-    from models.common import Conv
     from models.yolo import DetectionModel
-    if not (cfg.get("activation") if isinstance(cfg, dict) else None):
-        Conv.default_act = nn.SiLU()  # upstream keeps the last built model's activation as a class default
-    model = DetectionModel(cfg=dict(cfg) if isinstance(cfg, dict) else str(cfg), ch=3, nc=nc)
+    from utils.qat.checkpoint import isolated_build
+    with isolated_build():
+        model = DetectionModel(cfg=dict(cfg) if isinstance(cfg, dict) else str(cfg), ch=3, nc=nc)
     model.names = {i: f"class{i}" for i in range(model.yaml["nc"] if nc is None else nc)}
     return reinit(model, seed)

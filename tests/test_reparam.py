@@ -63,10 +63,10 @@ def calibrate_bn(model: nn.Module, images: torch.Tensor) -> nn.Module:
 
 def training_model(tree: Path, cfg: str, images: torch.Tensor, nc: int | None = None, seed: int = 0) -> nn.Module:
     if "segment" in cfg:
-        from models.common import Conv
         from models.yolo import SegmentationModel
-        Conv.default_act = nn.SiLU()
-        model = reinit(SegmentationModel(str(tree / cfg), ch=3, nc=nc), seed)
+        from utils.qat.checkpoint import isolated_build
+        with isolated_build():
+            model = reinit(SegmentationModel(str(tree / cfg), ch=3, nc=nc), seed)
         model.names = {i: f"class{i}" for i in range(model.yaml["nc"])}
     else:
         model = build(tree / cfg, nc=nc, seed=seed)

@@ -7,7 +7,9 @@ the shared-scale groups and the toolkit version.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import os
 from pathlib import Path
 
@@ -98,17 +100,34 @@ def save_quantized(path: str | os.PathLike, model: nn.Module, info, *, epoch: in
     return Path(path)
 
 
+@contextlib.contextmanager
+def isolated_build():
+    """Build upstream models from yamls without side effects: upstream's ``parse_model`` sets
+    ``Conv.default_act`` (a class attribute) from a yaml's ``activation:`` and leaves it for every model
+    built afterwards; this restores every class default afterwards, and quiets the model table."""
+    import models.common
+    from utils.general import LOGGER
+    saved = {cls: cls.default_act for cls in vars(models.common).values()
+             if isinstance(cls, type) and "default_act" in vars(cls)}
+    level = LOGGER.level
+    LOGGER.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        LOGGER.setLevel(level)
+        for cls, act in saved.items():
+            cls.default_act = act
+
+
 def rebuild(ckpt: dict) -> nn.Module:
     """A fused FP model built from the checkpoint's yaml, matching the quantized model's structure."""
-    from models.common import Conv
     from models.quantize import fuse
     from models.yolo import DetectionModel
     builder = DetectionModel
-    if not ckpt["yaml"].get("activation"):
-        Conv.default_act = nn.SiLU()  # upstream's parse_model leaves a previous model's activation behind
     if ckpt.get("task") == "segment":
         from models.yolo import SegmentationModel as builder
-    model = builder(cfg=dict(ckpt["yaml"]), ch=3, nc=ckpt["nc"])
+    with isolated_build():
+        model = builder(cfg=dict(ckpt["yaml"]), ch=3, nc=ckpt["nc"])
     return fuse(model.float())
 
 

@@ -14,9 +14,7 @@ does not reach (the auxiliary branch and head) is dropped.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
-import logging
 import re
 from dataclasses import dataclass
 from datetime import datetime
@@ -27,6 +25,7 @@ import torch
 from torch import nn
 
 from utils.qat.atomic import atomic_path
+from utils.qat.checkpoint import isolated_build
 from utils.qat.errors import QATError
 
 SIZES = ("t", "s", "m", "c", "e")
@@ -287,23 +286,6 @@ def tree_root() -> Path:
     return Path(models.yolo.__file__).resolve().parents[1]
 
 
-@contextlib.contextmanager
-def _quiet_build():
-    """Silence upstream's model table and undo parse_model's global ``activation:`` side effect."""
-    import models.common
-    from utils.general import LOGGER
-    saved = {cls: cls.default_act for cls in vars(models.common).values()
-             if isinstance(cls, type) and "default_act" in vars(cls)}
-    level = LOGGER.level
-    LOGGER.setLevel(logging.WARNING)
-    try:
-        yield
-    finally:
-        LOGGER.setLevel(level)
-        for cls, act in saved.items():
-            cls.default_act = act
-
-
 def _load_yaml(path: Path) -> dict:
     import yaml
     with open(path, encoding="ascii", errors="ignore") as f:
@@ -335,7 +317,7 @@ def identify(model: nn.Module, root: Path | None = None) -> Path | None:
             continue
         d["nc"] = nc
         try:
-            with _quiet_build(), torch.device("meta"):
+            with isolated_build(), torch.device("meta"):
                 layers, _ = parse_model(copy.deepcopy(d), ch=[3])
         except Exception:  # a yaml this tree cannot build (e.g. modules it lacks)
             continue
@@ -354,7 +336,7 @@ def build_model(cfg: Path, nc: int, like: nn.Module | None = None) -> nn.Module:
     """An upstream model from ``cfg`` (same class as ``like`` when that is a DetectionModel subclass)."""
     from models.yolo import DetectionModel
     cls = type(like) if like is not None and isinstance(like, DetectionModel) else DetectionModel
-    with _quiet_build():
+    with isolated_build():
         return cls(str(cfg), ch=3, nc=nc)
 
 

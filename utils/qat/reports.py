@@ -9,6 +9,18 @@ from utils.qat.atomic import atomic_path, write_text
 COLUMNS = ("AP", "AP50", "Precision", "Recall")
 
 
+def run_dir(project: str | Path, name: str, exist_ok: bool) -> Path:
+    """``project/name``, incremented (name2, name3, ...) unless ``exist_ok``, as upstream does; created."""
+    from utils.general import increment_path
+    from utils.qat.errors import QATError
+    path = Path(increment_path(Path(project) / name, exist_ok=exist_ok))
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise QATError(f"cannot create the results folder {path} ({e.strerror or e}); pass a writable --project.") from e
+    return path
+
+
 def entry(name: str, weights: str | Path | None, metrics, seconds: float, **extra) -> dict:
     """One evaluated model: AP is mAP50-95, AP50 is mAP50 (the reference README's naming)."""
     return {"name": name, "weights": str(weights) if weights else None, "AP": round(metrics.mAP50_95, 4),
