@@ -25,6 +25,7 @@ from utils.qat.errors import QATError, run_cli  # noqa: E402
 from utils.qat.evaluate import evaluate  # noqa: E402
 
 
+
 def _common(p: argparse.ArgumentParser, project: str) -> None:
     p.add_argument("--weights", required=True, help="model checkpoint (.pt)")
     p.add_argument("--data", required=True, help="dataset yaml")
@@ -47,12 +48,19 @@ def _calibration(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=57)
 
 
-def get_args_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="qat.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+SCRIPTS = {"detect": "qat.py", "segment": "segment/qat_seg.py"}
+
+
+def get_args_parser(task: str = "detect", prog: str = "qat.py", description: str | None = None) -> argparse.ArgumentParser:
+    """The CLI of qat.py (``task="detect"``) and of segment/qat_seg.py (``task="segment"``): same flags."""
+    parser = argparse.ArgumentParser(prog=prog, description=description or __doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.set_defaults(task=task)
     sub = parser.add_subparsers(dest="cmd", required=True)
+    runs = "runs/qat_seg" if task == "segment" else "runs/qat"
 
     q = sub.add_parser("quantize", help="PTQ calibration, then QAT fine-tuning; evaluates and saves each stage")
-    _common(q, "runs/qat")
+    _common(q, runs)
     _calibration(q)
     q.add_argument("--iters", type=int, default=200, help="QAT batches per epoch")
     q.add_argument("--epochs", type=int, default=10, help="QAT epochs")
@@ -66,13 +74,13 @@ def get_args_parser() -> argparse.ArgumentParser:
     q.add_argument("--iou-thres", type=float, default=0.7)
 
     s = sub.add_parser("sensitive", help="per-layer sensitivity: AP with each layer kept in FP")
-    _common(s, "runs/qat_sensitive")
+    _common(s, f"{runs}_sensitive")
     _calibration(s)
     s.add_argument("--num-image", type=int, default=None, help="evaluate on the first N validation images")
     s.add_argument("--top", type=int, default=10, help="layers shown in the table and the suggested skip list")
 
     e = sub.add_parser("eval", help="evaluate a quantized checkpoint (or an FP one with --allow-fp)")
-    _common(e, "runs/qat_eval")
+    _common(e, f"{runs}_eval")
     e.add_argument("--conf-thres", type=float, default=0.001)
     e.add_argument("--iou-thres", type=float, default=0.7)
     e.add_argument("--allow-fp", action="store_true", help="also accept floating-point checkpoints")
@@ -81,11 +89,41 @@ def get_args_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _evaluator(task: str):
+    """The evaluation loop of a task: box mAP, or box + mask mAP for segmentation."""
+    if task == "segment":
+        from utils.qat.evaluate_seg import evaluate_seg
+        return evaluate_seg
+    return evaluate
+
+
+def _backend(model, device, args) -> TorchBackend:
+    return TorchBackend(model, device, task=args.task)
+
+
 def _score(backend, data, args, desc: str, num_images: int | None = None):
     start = time.time()
-    m = evaluate(backend, data, imgsz=args.imgsz, batch_size=args.batch_size, conf_thres=getattr(args, "conf_thres", 0.001),
-                 iou_thres=getattr(args, "iou_thres", 0.7), workers=args.workers, num_images=num_images, desc=desc)
+    m = _evaluator(args.task)(backend, data, imgsz=args.imgsz, batch_size=args.batch_size,
+                              conf_thres=getattr(args, "conf_thres", 0.001), iou_thres=getattr(args, "iou_thres", 0.7),
+                              workers=args.workers, num_images=num_images, desc=desc)
     return m, time.time() - start
+
+
+def _data(args, splits: tuple[str, ...]) -> dict:
+    """The dataset yaml, checked; segmentation also needs polygon labels in the splits it evaluates on."""
+    data = load_data_yaml(args.data, splits=splits)
+    if args.task == "segment":
+        from utils.qat.data import check_polygons
+        check_polygons(data, ("val",))
+    return data
+
+
+def _epoch_record(m) -> dict:
+    """Per-epoch numbers for report.json (segmentation: the mask AP ranks, the box AP is kept beside it)."""
+    record = {"AP": round(m.mAP50_95, 4), "AP50": round(m.mAP50, 4)}
+    if hasattr(m, "box"):
+        record.update(box_AP=round(m.box.mAP50_95, 4), box_AP50=round(m.box.mAP50, 4))
+    return record
 
 
 def _print_table(rows: list[dict]) -> None:
@@ -122,8 +160,8 @@ def cmd_quantize(args) -> Path:
     from models.quantize import finetune, fuse
     from utils.general import init_seeds
     device = select_device(args.device)
-    fp = checkpoint.load_fp(args.weights)
-    data = load_data_yaml(args.data, splits=("train", "val"))
+    fp = checkpoint.load_fp(args.weights, task=args.task)
+    data = _data(args, ("train", "val"))
     hyp = load_hyp(args.hyp)
     stride = int(fp.stride.max())
     args.imgsz = check_imgsz(args.imgsz, stride)
@@ -140,20 +178,21 @@ def cmd_quantize(args) -> Path:
         reports.write_report(out, rows, epochs, title)
 
     if not args.no_eval_origin:
-        m, sec = _score(TorchBackend(fp, device), data, args, "Origin")
+        m, sec = _score(_backend(fp, device, args), data, args, "Origin")
         rows.append(reports.entry("Origin", args.weights, m, sec))
         save_report()
 
     qmodel, info = _calibrated(fp, data, args, device, skip)
     ptq_ap = None
     if not args.no_eval_ptq:
-        m, sec = _score(TorchBackend(qmodel, device), data, args, "PTQ")
+        m, sec = _score(_backend(qmodel, device, args), data, args, "PTQ")
         ptq_ap = m.mAP50_95
         ptq_path = wdir / f"ptq_ap_{ptq_ap:.4f}_{stem}.pt"
         rows.append(reports.entry("PTQ", ptq_path, m, sec, calib_method=info.calib_method))
     else:
         ptq_path = wdir / f"ptq_{stem}.pt"
-    checkpoint.save_quantized(ptq_path, qmodel, info, epoch=0, metrics=rows[-1] if ptq_ap is not None else None)
+    checkpoint.save_quantized(ptq_path, qmodel, info, epoch=0, metrics=rows[-1] if ptq_ap is not None else None,
+                              task=args.task)
     save_report()
     print(f"PTQ model saved to {ptq_path}")
 
@@ -169,11 +208,11 @@ def cmd_quantize(args) -> Path:
 
         def on_epoch_end(result):
             epoch = result.epoch + 1
-            m, sec = _score(TorchBackend(qmodel, device), data, args, f"QAT epoch {epoch}")
+            m, sec = _score(_backend(qmodel, device, args), data, args, f"QAT epoch {epoch}")
             path = wdir / f"qat_ep_{epoch}_ap_{m.mAP50_95:.4f}_{stem}.pt"
             row = reports.entry(f"QAT epoch {epoch}", path, m, sec)
-            checkpoint.save_quantized(path, qmodel, info, epoch=epoch, metrics=row)
-            epochs.append({"epoch": epoch, "AP": row["AP"], "AP50": row["AP50"], "loss": result.loss,
+            checkpoint.save_quantized(path, qmodel, info, epoch=epoch, metrics=row, task=args.task)
+            epochs.append({"epoch": epoch, **_epoch_record(m), "loss": result.loss,
                            "train_seconds": round(result.seconds, 1), "weights": str(path)})
             if best["AP"] is None or m.mAP50_95 > best["AP"]:
                 best.update(AP=m.mAP50_95, epoch=epoch, row=row)
@@ -202,12 +241,12 @@ def cmd_sensitive(args) -> Path:
 
     from utils.qat.atomic import write_text
     device = select_device(args.device)
-    fp = checkpoint.load_fp(args.weights)
-    data = load_data_yaml(args.data, splits=("train", "val"))
+    fp = checkpoint.load_fp(args.weights, task=args.task)
+    data = _data(args, ("train", "val"))
     args.imgsz = check_imgsz(args.imgsz, int(fp.stride.max()))
     out = reports.run_dir(args.project, args.name, args.exist_ok)
     qmodel, info = _calibrated(fp, data, args, device)
-    backend = TorchBackend(qmodel, device)
+    backend = _backend(qmodel, device, args)
     base, _ = _score(backend, data, args, "all layers INT8", args.num_image)
     layers = []
     for i, layer in enumerate(qmodel.model):
@@ -219,20 +258,23 @@ def cmd_sensitive(args) -> Path:
         m, _ = _score(backend, data, args, f"layer {i} in FP", args.num_image)
         for q in qs:
             q.enable()
-        layers.append({"layer": i, "module": type(layer).__name__.removeprefix("Quant"), "AP": round(m.mAP50_95, 4),
-                       "AP50": round(m.mAP50, 4), "gain": round(m.mAP50_95 - base.mAP50_95, 4)})
+        layers.append({"layer": i, "module": type(layer).__name__.removeprefix("Quant"), **_epoch_record(m),
+                       "gain": round(m.mAP50_95 - base.mAP50_95, 4)})
     layers.sort(key=lambda r: r["AP"], reverse=True)
     top = layers[:args.top]
     skip = ",".join(str(r["layer"]) for r in top if r["gain"] > 0)
-    summary = {"weights": args.weights, "calib_method": info.calib_method, "num_image": base.images,
+    summary = {"weights": args.weights, "task": args.task, "calib_method": info.calib_method, "num_image": base.images,
                "ptq_AP": round(base.mAP50_95, 4), "layers": layers, "suggested_skip_layers": skip}
+    if args.task == "segment":
+        summary["ptq_box_AP"] = round(base.box.mAP50_95, 4)
     write_text(out / "summary-sensitive-analysis.json", json.dumps(summary, indent=2))
     reports.plot_sensitivity(out / "sensitivity.png", layers, base.mAP50_95)
-    print(f"\nAll layers INT8 (PTQ): mAP50-95 {base.mAP50_95:.4f} on {base.images} images. "
+    metric = "mask mAP50-95" if args.task == "segment" else "mAP50-95"
+    print(f"\nAll layers INT8 (PTQ): {metric} {base.mAP50_95:.4f} on {base.images} images. "
           f"Top {len(top)} layers whose FP version helps most:")
-    print(reports.table([{"name": str(r["layer"]), **r} for r in top], columns=("module", "AP", "AP50", "gain"),
-                        first="Layer"))
-    print(f"\nsuggested: qat.py quantize ... --skip-layers {skip or '(none: no layer gains from FP)'}")
+    columns = ("module", "AP", "AP50", "box_AP", "gain") if args.task == "segment" else ("module", "AP", "AP50", "gain")
+    print(reports.table([{"name": str(r["layer"]), **r} for r in top], columns=columns, first="Layer"))
+    print(f"\nsuggested: {SCRIPTS[args.task]} quantize ... --skip-layers {skip or '(none: no layer gains from FP)'}")
     print(f"results in {out}: summary-sensitive-analysis.json, sensitivity.png")
     return out
 
@@ -244,23 +286,23 @@ def cmd_eval(args) -> Path:
     device = select_device(args.device)
     ckpt = checkpoint.read(args.weights)
     if checkpoint.is_quantized(ckpt):
-        model, info, _ = checkpoint.load_quantized(args.weights, ckpt=ckpt)
+        model, info, _ = checkpoint.load_quantized(args.weights, task=args.task, ckpt=ckpt)
         kind = f"INT8 ({info.calib_method})"
     elif args.allow_fp:
-        model, kind = checkpoint.load_fp(args.weights, ckpt=ckpt), "FP"
+        model, kind = checkpoint.load_fp(args.weights, task=args.task, ckpt=ckpt), "FP"
     else:
         raise QATError(f"{args.weights} is a floating-point checkpoint; pass --allow-fp to evaluate it, "
-                       "or give a quantized checkpoint from `qat.py quantize`.")
-    data = load_data_yaml(args.data, splits=("val",))
+                       f"or give a quantized checkpoint from `{SCRIPTS[args.task]} quantize`.")
+    data = _data(args, ("val",))
     args.imgsz = check_imgsz(args.imgsz, int(model.stride.max()))
     out = reports.run_dir(args.project, args.name, args.exist_ok)
     start = time.time()
-    m = evaluate(TorchBackend(model, device), data, imgsz=args.imgsz, batch_size=args.batch_size,
-                 conf_thres=args.conf_thres, iou_thres=args.iou_thres, workers=args.workers,
-                 num_images=args.num_image, save_json=out / "predictions.json" if args.save_json else None,
-                 desc=f"eval {kind}")
+    m = _evaluator(args.task)(_backend(model, device, args), data, imgsz=args.imgsz, batch_size=args.batch_size,
+                              conf_thres=args.conf_thres, iou_thres=args.iou_thres, workers=args.workers,
+                              num_images=args.num_image, save_json=out / "predictions.json" if args.save_json else None,
+                              desc=f"eval {kind}")
     row = reports.entry(Path(args.weights).stem, args.weights, m, time.time() - start, kind=kind)
-    write_text(out / "results.json", json.dumps({**row, "per_class": m.per_class}, indent=2))
+    write_text(out / "results.json", json.dumps({**row, **reports.per_class(m)}, indent=2))
     _print_table([row])
     print(f"\nresults in {out}/results.json")
     return out

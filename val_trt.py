@@ -7,7 +7,9 @@ Same dataloader, NMS and metrics as `qat.py eval` and upstream val.py, so the nu
 with the PyTorch checkpoint the export came from. Plain exports (output0) and End2End exports (num_dets,
 det_boxes, det_scores, det_classes; e.g. export_qat.py --include onnx_end2end --nms onnx) both work; an
 End2End graph's own NMS settings (--conf-thres / --iou-thres of the export) apply to it.
-Writes results.json (and predictions.json with --save-json) to --project/--name.
+Segmentation models (output0 + output1 prototypes, or End2End det_masks) get box and mask metrics, defined
+as upstream segment/val.py defines them (the dataset needs polygon labels); --task detect scores their
+boxes only. Writes results.json (and predictions.json with --save-json) to --project/--name.
 """
 from __future__ import annotations
 
@@ -44,7 +46,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-det", type=int, default=300, help="detections per image (plain exports)")
     p.add_argument("--device", default="", help="cuda:0, 0 or cpu (default: first GPU, else CPU)")
     p.add_argument("--task", choices=("detect", "segment"), default=None,
-                   help="detect or segment (default: from the model's metadata)")
+                   help="detect or segment (default: from the model's metadata); detect on a segmentation "
+                        "model scores its boxes only")
     p.add_argument("--num-image", type=int, default=None, help="evaluate on the first N validation images")
     p.add_argument("--workers", type=int, default=8, help="dataloader workers")
     p.add_argument("--save-json", action="store_true", help="also save COCO-style predictions (predictions.json)")
@@ -107,8 +110,9 @@ def make_backend(args: argparse.Namespace):
 def main(args: argparse.Namespace) -> dict:
     from utils.qat import reports
     from utils.qat.atomic import write_text
-    from utils.qat.data import check_imgsz, load_data_yaml
+    from utils.qat.data import check_imgsz, check_polygons, load_data_yaml
     from utils.qat.evaluate import evaluate
+    from utils.qat.evaluate_seg import evaluate_seg
     if args.batch_size < 1:
         raise QATError(f"--batch-size must be at least 1, got {args.batch_size}.")
     if args.num_image is not None and args.num_image < 1:
@@ -117,11 +121,15 @@ def main(args: argparse.Namespace) -> dict:
         raise QATError(f"--report {args.report} not found; pass the report.json that qat.py quantize wrote.")
     data = load_data_yaml(args.data, splits=("val",))
     backend, source, runtime = make_backend(args)
-    task = args.task or getattr(backend, "task", None) or "detect"
+    model_task = getattr(backend, "task", None) or "detect"
+    task = args.task or model_task
+    if task == "segment" and model_task != "segment":
+        raise QATError(f"{source} is a detection model (no mask outputs); evaluate it with --task detect.")
     if task == "segment":
-        nc = len(backend.names or data["names"])
-        print("notice: segmentation model: box metrics only (masks are not scored by this evaluator).")
-        backend = _BoxesOnly(backend, nc)
+        check_polygons(data, ("val",))
+    elif model_task == "segment":
+        print("notice: --task detect on a segmentation model: box metrics only.")
+        backend = _BoxesOnly(backend, len(backend.names or data["names"]))
     if backend.names and len(backend.names) != len(data["names"]):
         raise QATError(f"{source} predicts {len(backend.names)} classes but {args.data} has {len(data['names'])}; "
                        f"evaluate it on the dataset it was trained for.")
@@ -135,12 +143,13 @@ def main(args: argparse.Namespace) -> dict:
     out = reports.run_dir(args.project, args.name, args.exist_ok)
     kind = "End2End" if getattr(backend, "end2end", False) else "plain"
     start = time.time()
-    m = evaluate(backend, data, imgsz=imgsz, batch_size=args.batch_size, conf_thres=args.conf_thres,
-                 iou_thres=args.iou_thres, max_det=args.max_det, workers=args.workers, num_images=args.num_image,
-                 save_json=out / "predictions.json" if args.save_json else None, desc=f"{runtime} ({kind})")
+    m = (evaluate_seg if task == "segment" else evaluate)(
+        backend, data, imgsz=imgsz, batch_size=args.batch_size, conf_thres=args.conf_thres, iou_thres=args.iou_thres,
+        max_det=args.max_det, workers=args.workers, num_images=args.num_image,
+        save_json=out / "predictions.json" if args.save_json else None, desc=f"{runtime} ({kind})")
     row = reports.entry(source.name, source, m, time.time() - start, backend=runtime, graph=kind, task=task,
                         imgsz=list(backend.imgsz) if backend.imgsz else imgsz)
-    write_text(out / "results.json", json.dumps({**row, "instances": m.instances, "per_class": m.per_class,
+    write_text(out / "results.json", json.dumps({**row, "instances": m.instances, **reports.per_class(m),
                                                   "conf_thres": args.conf_thres, "iou_thres": args.iou_thres},
                                                  indent=2))
     if args.report:

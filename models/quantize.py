@@ -148,6 +148,10 @@ def mse_amax(hist, edges, num_bits: int = 8, unsigned: bool = False, start_bin: 
     squared error of symmetric fake quantization of |x|."""
     counts = torch.as_tensor(hist).detach().cpu().double().flatten()
     edges = torch.as_tensor(edges).detach().cpu().double().flatten()
+    if len(edges) != len(counts) + 1:
+        # modelopt grows its histogram with torch.arange(0, max + width, width), which can yield one edge more
+        # than histc's bins; histc itself split [0, edges[-1]] into len(counts) equal bins
+        edges = torch.linspace(0.0, float(edges[-1]), len(counts) + 1, dtype=torch.float64)
     centers = (edges[1:] + edges[:-1]) / 2
     candidates = centers[min(start_bin, len(centers) - 1):]
     levels = 2 ** num_bits - 1 if unsigned else 2 ** (num_bits - 1) - 1

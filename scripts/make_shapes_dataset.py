@@ -7,7 +7,14 @@ backgrounds (value noise, gradients, stripes, checkers). No third-party images. 
 is the tight box of the pixels the object covers (coverage >= 0.5), and objects are only placed where
 they leave every earlier object's visible extent equal to its box.
 
+With ``--task segment`` the labels are polygons (YOLO segmentation format: ``class x1 y1 x2 y2 ...``,
+normalised): shapes are drawn filled and never overlap, so each object's outline is known exactly: the
+shape's own vertices, a 64-gon for circles (within 0.1 px of the drawn edge at the largest size), and
+for rings a "keyhole" polygon (outer circle, a zero-width cut, inner circle backwards) that fills as
+the annulus.
+
     python3 scripts/make_shapes_dataset.py --out DIR [--seed 0] [--train 320] [--val 64] [--imgsz 256] [--jobs 4]
+                                          [--task segment]
 
 Writes DIR/images/{train,val}/*.png, DIR/labels/{train,val}/*.txt and DIR/shapes.yaml (absolute
 ``path``). Every image is drawn from its own random stream keyed by (seed, split, index): the same seed
@@ -31,6 +38,8 @@ import numpy as np
 
 NAMES = ("circle", "square", "triangle", "star", "cross", "ring")
 SPLITS = {"train": 1, "val": 2}
+TASKS = ("detect", "segment")
+CIRCLE_VERTICES = 64
 VERSION = 1  # bump when the rendering changes (the weights README names the version it was trained on)
 
 
@@ -81,32 +90,42 @@ def _polygon_sdf(px: np.ndarray, py: np.ndarray, pts: np.ndarray) -> np.ndarray:
     return np.where(inside, -d, d)
 
 
-def _shape(cls: str, size: float, rng: np.random.Generator):
-    """A function (px, py) -> coverage in [0, 1] (1 px anti-aliased edge), and its half-extent bound."""
+def _circle(radius: float, n: int = CIRCLE_VERTICES) -> np.ndarray:
+    a = np.arange(n) * (2 * math.pi / n)
+    return np.stack([np.cos(a), np.sin(a)], 1) * radius
+
+
+def _shape(cls: str, size: float, rng: np.random.Generator, filled: bool = False):
+    """A function (px, py) -> coverage in [0, 1] (1 px anti-aliased edge), its half-extent bound, and its
+    outline polygon (None for outlined shapes). ``filled`` draws no outlined variants."""
     r = size / 2
-    outlined = cls in ("square", "triangle", "star", "cross") and rng.random() < 0.4
+    outlined = cls in ("square", "triangle", "star", "cross") and rng.random() < 0.4 and not filled
     stroke = max(2.5, rng.uniform(0.1, 0.16) * size)
     if cls == "circle":
+        outline = _circle(r)
+
         def sdf(px, py):
             return np.sqrt(px * px + py * py) - r
     elif cls == "ring":
         inner = rng.uniform(0.45, 0.62) * r
         mid, half = (r + inner) / 2, (r - inner) / 2
+        outer_pts = _circle(r)
+        outline = np.concatenate([outer_pts, outer_pts[:1], _circle(inner)[::-1], _circle(inner)[:1]])  # keyhole
 
         def sdf(px, py):
             return np.abs(np.sqrt(px * px + py * py) - mid) - half
     else:
-        pts = _polygon(cls, size, rng)
+        pts = outline = _polygon(cls, size, rng)
 
         def sdf(px, py):
             return _polygon_sdf(px, py, pts)
     if outlined:
-        base = sdf
+        base, outline = sdf, None
 
         def sdf(px, py):  # noqa: F811 - stroke centred on the outline
             return np.abs(base(px, py)) - stroke / 2
     bound = r + stroke + 2
-    return (lambda px, py: np.clip(0.5 - sdf(px, py), 0.0, 1.0)), bound
+    return (lambda px, py: np.clip(0.5 - sdf(px, py), 0.0, 1.0)), bound, outline
 
 
 # -------------------------------------------------------------------------------------------- backgrounds
@@ -170,18 +189,27 @@ def _bbox(mask: np.ndarray):
     return int(xs.min()), int(ys.min()), int(xs.max()) + 1, int(ys.max()) + 1  # x0, y0, x1, y1 (exclusive)
 
 
-def render(seed: int, split: str, index: int, s: int):
-    """Image (s, s, 3) uint8 RGB and its labels [(cls, x0, y0, x1, y1)] in pixels."""
-    rng = np.random.default_rng([VERSION, seed, SPLITS[split], index])
+def render(seed: int, split: str, index: int, s: int, task: str = "detect"):
+    """Image (s, s, 3) uint8 RGB and its labels in pixels: ``[(cls, x0, y0, x1, y1)]`` for ``detect``,
+    ``[(cls, polygon (N, 2))]`` for ``segment`` (filled shapes that do not overlap)."""
+    img, labels, _ = render_with_owner(seed, split, index, s, task)
+    return img, labels
+
+
+def render_with_owner(seed: int, split: str, index: int, s: int, task: str = "detect"):
+    """:func:`render`, plus the (s, s) map of which object each pixel shows (-1: background)."""
+    segment = task == "segment"
+    rng = np.random.default_rng([VERSION, seed, SPLITS[split], index] + ([1] if segment else []))
     img = _background(rng, s)
     smin, smax = 24 * s / 256, 120 * s / 256
     owner = np.full((s, s), -1, dtype=np.int32)  # which object each pixel shows (coverage >= 0.5)
     objects = []  # (cls, box)
+    outlines = []  # segment: polygons in image pixels
     for _ in range(int(rng.integers(2, 7))):
         cls = int(rng.integers(0, len(NAMES)))
         for _attempt in range(30):
             size = float(math.exp(rng.uniform(math.log(smin), math.log(smax))))
-            cover_fn, bound = _shape(NAMES[cls], size, rng)
+            cover_fn, bound, outline = _shape(NAMES[cls], size, rng, filled=segment)
             cx, cy = rng.uniform(bound, s - bound, 2) if s > 2 * bound else (s / 2, s / 2)
             wx0, wy0 = max(int(cx - bound), 0), max(int(cy - bound), 0)
             wx1, wy1 = min(int(cx + bound) + 2, s), min(int(cy + bound) + 2, s)
@@ -196,6 +224,8 @@ def render(seed: int, split: str, index: int, s: int):
                 continue
             new = np.zeros((s, s), dtype=bool)
             new[wy0:wy1, wx0:wx1] = local
+            if segment and any(_near(box, b) for _, b in objects):
+                continue  # polygons stay exact only where nothing covers them
             if not _keeps_others(owner, new, objects, box):
                 continue
             # colour that stands out from the background under the object
@@ -205,10 +235,19 @@ def render(seed: int, split: str, index: int, s: int):
             img[wy0:wy1, wx0:wx1] = img[wy0:wy1, wx0:wx1] * (1 - a) + col * a
             owner[new] = len(objects)
             objects.append((cls, box))
+            if segment:
+                outlines.append(outline + (cx, cy))
             break
     img = img + rng.normal(0.0, rng.uniform(0.0, 0.04), img.shape)  # sensor-like noise
     img = np.clip(np.rint(img * 255), 0, 255).astype(np.uint8)
-    return img, [(c, *b) for c, b in objects]
+    if segment:
+        return img, [(c, poly) for (c, _), poly in zip(objects, outlines)], owner
+    return img, [(c, *b) for c, b in objects], owner
+
+
+def _near(a, b, gap: int = 2) -> bool:
+    """Boxes ``a`` and ``b`` (x0, y0, x1, y1) overlap or come closer than ``gap`` pixels."""
+    return not (a[0] >= b[2] + gap or b[0] >= a[2] + gap or a[1] >= b[3] + gap or b[1] >= a[3] + gap)
 
 
 def _keeps_others(owner: np.ndarray, new: np.ndarray, objects, box) -> bool:
@@ -236,32 +275,38 @@ def _contrasting(rng: np.random.Generator, under: np.ndarray) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------------------------- output
-def _encode(task):
-    """(seed, split, index, imgsz) -> (file stem, PNG bytes, label text)."""
-    seed, split, i, imgsz = task
-    img, labels = render(seed, split, i, imgsz)
+def _encode(job):
+    """(seed, split, index, imgsz, task) -> (file stem, PNG bytes, label text)."""
+    seed, split, i, imgsz, task = job
+    img, labels = render(seed, split, i, imgsz, task)
     ok, buf = cv2.imencode(".png", img[..., ::-1], [cv2.IMWRITE_PNG_COMPRESSION, 3])
     if not ok:
         raise RuntimeError(f"PNG encoding failed for {split} image {i}")
-    text = "".join(f"{c} {(x0 + x1) / 2 / imgsz:.6f} {(y0 + y1) / 2 / imgsz:.6f} "
-                   f"{(x1 - x0) / imgsz:.6f} {(y1 - y0) / imgsz:.6f}\n" for c, x0, y0, x1, y1 in labels)
+    if task == "segment":
+        text = "".join(f"{c} " + " ".join(f"{v / imgsz:.6f}" for v in poly.reshape(-1)) + "\n" for c, poly in labels)
+    else:
+        text = "".join(f"{c} {(x0 + x1) / 2 / imgsz:.6f} {(y0 + y1) / 2 / imgsz:.6f} "
+                       f"{(x1 - x0) / imgsz:.6f} {(y1 - y0) / imgsz:.6f}\n" for c, x0, y0, x1, y1 in labels)
     return f"{split}_{i:06d}", buf.tobytes(), text
 
 
 def write_dataset(out: Path, seed: int = 0, n_train: int = 320, n_val: int = 64, imgsz: int = 256,
-                  jobs: int = 1) -> Path:
+                  jobs: int = 1, task: str = "detect") -> Path:
     """Generate the dataset into ``out`` (replaced atomically); returns the data yaml's path.
 
     ``jobs`` > 1 renders in that many processes; the files are the same whatever ``jobs`` is.
+    ``task="segment"`` writes polygon labels (a different set of images than ``detect``).
     """
     if imgsz < 128:
         raise ValueError("--imgsz must be at least 128")
+    if task not in TASKS:
+        raise ValueError(f"--task must be one of {', '.join(TASKS)}")
     out = Path(out).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     pool = None
     try:
-        tasks = [(seed, split, i, imgsz) for split, n in (("train", n_train), ("val", n_val)) for i in range(n)]
+        tasks = [(seed, split, i, imgsz, task) for split, n in (("train", n_train), ("val", n_val)) for i in range(n)]
         for split in SPLITS:
             (tmp / "images" / split).mkdir(parents=True)
             (tmp / "labels" / split).mkdir(parents=True)
@@ -271,13 +316,13 @@ def write_dataset(out: Path, seed: int = 0, n_train: int = 320, n_val: int = 64,
             results = pool.imap(_encode, tasks, chunksize=8)
         else:
             results = map(_encode, tasks)
-        for (_, split, _, _), (stem, png, text) in zip(tasks, results):
+        for (_, split, *_), (stem, png, text) in zip(tasks, results):
             (tmp / "images" / split / f"{stem}.png").write_bytes(png)
             (tmp / "labels" / split / f"{stem}.txt").write_text(text)
         names = "".join(f"  {i}: {n}\n" for i, n in enumerate(NAMES))
         (tmp / "shapes.yaml").write_text(
             f"# Shapes dataset v{VERSION}: python3 scripts/make_shapes_dataset.py --seed {seed} --train {n_train} "
-            f"--val {n_val} --imgsz {imgsz}\n"
+            f"--val {n_val} --imgsz {imgsz}{' --task segment' if task == 'segment' else ''}\n"
             f"path: {json.dumps(str(out))}\ntrain: images/train\nval: images/val\nnc: {len(NAMES)}\nnames:\n{names}")
         os.chmod(tmp, 0o755)
         if out.exists():
@@ -303,6 +348,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--train", type=int, default=320, help="number of train images")
     p.add_argument("--val", type=int, default=64, help="number of val images")
     p.add_argument("--imgsz", type=int, default=256, help="image side in pixels (square images)")
+    p.add_argument("--task", choices=TASKS, default="detect",
+                   help="detect: box labels; segment: polygon labels (filled, non-overlapping shapes)")
     p.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1),
                    help="processes to render with (output is the same for any value)")
     return p
@@ -314,11 +361,14 @@ def main(argv=None) -> int:
         print("error: --train and --val must be at least 1", file=sys.stderr)
         return 2
     try:
-        yaml_path = write_dataset(Path(args.out), args.seed, args.train, args.val, args.imgsz, max(args.jobs, 1))
+        yaml_path = write_dataset(Path(args.out), args.seed, args.train, args.val, args.imgsz, max(args.jobs, 1),
+                                  args.task)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"shapes dataset: {args.train} train + {args.val} val images ({args.imgsz}px, seed {args.seed}) -> {yaml_path}")
+    kind = "segmentation" if args.task == "segment" else "detection"
+    print(f"shapes {kind} dataset: {args.train} train + {args.val} val images ({args.imgsz}px, seed {args.seed}) "
+          f"-> {yaml_path}")
     return 0
 
 

@@ -21,7 +21,9 @@ END2END_OUTPUTS = ("num_dets", "det_boxes", "det_scores", "det_classes")
 
 
 class TorchBackend:
-    def __init__(self, model: nn.Module, device: torch.device, half: bool = False):
+    """A PyTorch model (FP or fake-quant). ``task="segment"`` returns ``(pred, protos)``."""
+
+    def __init__(self, model: nn.Module, device: torch.device, half: bool = False, task: str = "detect"):
         self.model = model.to(device).eval()
         self.device = device
         self.fp16 = half and device.type == "cuda"
@@ -32,12 +34,12 @@ class TorchBackend:
         self.batch_size = None
         self.imgsz = None
         self.end2end = False
-        self.task = "detect"
+        self.task = task
 
     @torch.no_grad()
     def __call__(self, images: torch.Tensor):
         out = self.model(images.half() if self.fp16 else images)
-        return main_output(out)
+        return seg_outputs(out) if self.task == "segment" else main_output(out)
 
 
 def main_output(out):
@@ -47,6 +49,12 @@ def main_output(out):
     if isinstance(out, (tuple, list)):  # DualDDetect: [aux, main]
         out = out[-1]
     return out
+
+
+def seg_outputs(out):
+    """``(pred, protos)`` of a segmentation head in eval mode: Segment / DSegment return
+    ``(pred, (raw, coefficients, protos))``, DualDSegment the same for its main branch."""
+    return out[0], out[1][-1]
 
 
 class ORTBackend:

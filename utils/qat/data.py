@@ -91,6 +91,45 @@ def dataloader(data: dict, split: str, imgsz: int, batch_size: int, stride: int,
                              prefix=prefix or f"{split}: ")
 
 
+def seg_dataloader(data: dict, split: str, imgsz: int, batch_size: int, stride: int, *, workers: int = 8,
+                   rect: bool = True, shuffle: bool = False, hyp: dict | None = None, prefix: str = ""):
+    """Upstream's segmentation dataloader (images, targets, paths, shapes, masks): one mask per instance
+    at input resolution, as upstream ``segment/val.py`` evaluates. Returns ``(loader, dataset)``."""
+    from utils.segment.dataloaders import create_dataloader
+    return create_dataloader(data[split], imgsz, batch_size, stride, single_cls=False, hyp=hyp,
+                             augment=hyp is not None, pad=0.5 if rect else 0.0, rect=rect,
+                             workers=min(workers, os.cpu_count() or 1), shuffle=shuffle,
+                             prefix=prefix or f"{split}: ", mask_downsample_ratio=1, overlap_mask=False)
+
+
+def check_polygons(data: dict, splits: tuple[str, ...] = ("val",)) -> None:
+    """Segmentation needs polygon labels (``class x1 y1 x2 y2 ...``); box-only label files would give
+    empty masks and a mask mAP of 0 without a word, so they are refused here."""
+    from utils.dataloaders import img2label_paths
+    for split in splits:
+        entries = data[split] if isinstance(data[split], list) else [data[split]]
+        images = []
+        for entry in map(Path, entries):
+            if entry.is_dir():
+                images += [str(f) for f in sorted(entry.rglob("*")) if f.suffix.lower() in IMAGE_SUFFIXES]
+            else:
+                images += [line.strip() for line in entry.read_text().splitlines() if line.strip()]
+        boxes = polygons = 0
+        for label in map(Path, img2label_paths(images)):
+            if not label.is_file():
+                continue
+            for line in label.read_text().splitlines():
+                n = len(line.split())
+                polygons += n > 5
+                boxes += n == 5
+        if polygons == 0:
+            where = Path(img2label_paths(images[:1])[0]).parent if images else entries[0]
+            found = f"{boxes} box labels (class x y w h) and no polygons" if boxes else "no labels"
+            raise QATError(f"the '{split}' labels of {data.get('yaml_file', 'the dataset')} ({where}) hold {found}; "
+                           "segmentation needs polygon labels (class x1 y1 x2 y2 ...), e.g. upstream's "
+                           "coco-segments or scripts/make_shapes_dataset.py --task segment.")
+
+
 def load_hyp(path: str | os.PathLike | None) -> dict | None:
     """Hyperparameters for augmentation during QAT (upstream hyp yaml), or None."""
     if path is None:

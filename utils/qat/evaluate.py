@@ -67,33 +67,48 @@ def topk_detections(pred: torch.Tensor, conf_thres: float, max_det: int) -> list
     return dets
 
 
-def evaluate(backend, data: dict, *, imgsz: int = 640, batch_size: int = 16, conf_thres: float = 0.001,
-             iou_thres: float = 0.7, max_det: int = 300, workers: int = 8, num_images: int | None = None,
-             nms: bool = True, save_json: str | Path | None = None, desc: str = "evaluating") -> Metrics:
-    """Score ``backend`` on the ``val`` split of ``data`` (a dict from ``load_data_yaml``)."""
-    from utils.general import non_max_suppression, scale_boxes, xywh2xyxy
-    from utils.metrics import ap_per_class
-    from val import process_batch
-
+def val_batches(backend, data: dict, make_loader, *, imgsz: int, batch_size: int, workers: int,
+                num_images: int | None, desc: str):
+    """The val split as ``backend`` takes it: ``(limit, batches)``, ``limit`` the number of images to score and
+    ``batches`` yielding ``(images, targets, paths, shapes, *rest)`` of upstream's dataloader
+    (``make_loader``), images float in [0, 1] on the backend's device, target boxes in input pixels, with a
+    progress bar, for as many batches as ``limit`` images fill. Fixed-size graphs and engines get their own
+    batch size and input size (letterboxed squares); others get upstream's rect batches."""
     rect = backend.imgsz is None and backend.batch_size is None
     if backend.batch_size is not None:
         batch_size = backend.batch_size
     if backend.imgsz is not None:
         imgsz = max(backend.imgsz)
-    loader, dataset = dataloader(data, "val", imgsz, batch_size, backend.stride, workers=workers, rect=rect,
-                                 prefix=f"{desc}: ")
+    loader, dataset = make_loader(data, "val", imgsz, batch_size, backend.stride, workers=workers, rect=rect,
+                                  prefix=f"{desc}: ")
+    limit = len(dataset) if num_images is None else min(num_images, len(dataset))
+    n_batches = (limit + batch_size - 1) // batch_size
+
+    def batches():
+        for i, (im, targets, *rest) in enumerate(progress(loader, total=n_batches, desc=desc)):
+            if i >= n_batches:
+                return
+            im = im.to(backend.device).float() / 255
+            height, width = im.shape[2:]
+            targets[:, 2:] *= torch.tensor((width, height, width, height))
+            yield (im, targets, *rest)
+    return limit, batches()
+
+
+def evaluate(backend, data: dict, *, imgsz: int = 640, batch_size: int = 16, conf_thres: float = 0.001,
+             iou_thres: float = 0.7, max_det: int = 300, workers: int = 8, num_images: int | None = None,
+             nms: bool = True, save_json: str | Path | None = None, desc: str = "evaluating") -> Metrics:
+    """Score ``backend`` on the ``val`` split of ``data`` (a dict from ``load_data_yaml``)."""
+    from utils.general import non_max_suppression, scale_boxes, xywh2xyxy
+    from val import process_batch
+
     names = backend.names or data["names"]
     iouv = torch.linspace(0.5, 0.95, 10)
     stats, jdict, seen = [], [], 0
-    limit = len(dataset) if num_images is None else min(num_images, len(dataset))
     start = time.time()
-    bar = progress(loader, total=(limit + batch_size - 1) // batch_size, desc=desc)
-    for im, targets, paths, shapes in bar:
-        if seen >= limit:
-            break
-        im = im.to(backend.device).float() / 255
-        nb, _, height, width = im.shape
-        targets[:, 2:] *= torch.tensor((width, height, width, height))
+    limit, batches = val_batches(backend, data, dataloader, imgsz=imgsz, batch_size=batch_size, workers=workers,
+                                 num_images=num_images, desc=desc)
+    for im, targets, paths, shapes in batches:
         out = backend(im)
         if isinstance(out, dict):
             dets = end2end_detections(out)
@@ -122,7 +137,17 @@ def evaluate(backend, data: dict, *, imgsz: int = 640, batch_size: int = 16, con
             stats.append((correct, pred[:, 4], pred[:, 5], labels[:, 0]))
             if save_json:
                 jdict.extend(_json_records(predn, Path(paths[si])))
-    metrics = Metrics(images=seen, seconds=time.time() - start)
+    metrics = summarize(stats, names, seen, time.time() - start)
+    if save_json:
+        write_text(save_json, json.dumps(jdict))
+    return metrics
+
+
+def summarize(stats: list[tuple], names: dict, images: int, seconds: float) -> Metrics:
+    """Metrics from per-image ``(correct, conf, pred_cls, target_cls)`` tuples, with upstream's
+    ``ap_per_class`` (P and R at the best mean F1, AP by 101-point interpolation)."""
+    from utils.metrics import ap_per_class
+    metrics = Metrics(images=images, seconds=seconds)
     if stats:
         cat = [torch.cat(x, 0).numpy() for x in zip(*stats)]
         metrics.instances = int(len(cat[3]))
@@ -132,8 +157,6 @@ def evaluate(backend, data: dict, *, imgsz: int = 640, batch_size: int = 16, con
             metrics.P, metrics.R = float(p.mean()), float(r.mean())
             metrics.mAP50, metrics.mAP50_95 = float(ap50.mean()), float(ap.mean())
             metrics.per_class = {names.get(int(c), str(int(c))): float(a) for c, a in zip(ap_class, ap)}
-    if save_json:
-        write_text(save_json, json.dumps(jdict))
     return metrics
 
 

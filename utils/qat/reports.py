@@ -7,6 +7,8 @@ from pathlib import Path
 from utils.qat.atomic import atomic_path, write_text
 
 COLUMNS = ("AP", "AP50", "Precision", "Recall")
+SEG_GROUPS = ("Box", "Mask")
+SEG_COLUMNS = ("P", "R", "mAP50", "mAP50-95")
 
 
 def run_dir(project: str | Path, name: str, exist_ok: bool) -> Path:
@@ -22,17 +24,50 @@ def run_dir(project: str | Path, name: str, exist_ok: bool) -> Path:
 
 
 def entry(name: str, weights: str | Path | None, metrics, seconds: float, **extra) -> dict:
-    """One evaluated model: AP is mAP50-95, AP50 is mAP50 (the reference README's naming)."""
-    return {"name": name, "weights": str(weights) if weights else None, "AP": round(metrics.mAP50_95, 4),
-            "AP50": round(metrics.mAP50, 4), "Precision": round(metrics.P, 4), "Recall": round(metrics.R, 4),
-            "images": metrics.images, "seconds": round(seconds, 1), **extra}
+    """One evaluated model: AP is mAP50-95, AP50 is mAP50 (the reference README's naming).
+
+    Segmentation metrics (with ``box`` and ``mask``) add ``Box`` and ``Mask`` groups of P, R, mAP50 and
+    mAP50-95; AP / AP50 / Precision / Recall are then the mask numbers, the ones that rank models."""
+    row = {"name": name, "weights": str(weights) if weights else None, "AP": round(metrics.mAP50_95, 4),
+           "AP50": round(metrics.mAP50, 4), "Precision": round(metrics.P, 4), "Recall": round(metrics.R, 4),
+           "images": metrics.images, "seconds": round(seconds, 1)}
+    if hasattr(metrics, "box"):
+        for group, m in zip(SEG_GROUPS, (metrics.box, metrics.mask)):
+            row[group] = {"P": round(m.P, 4), "R": round(m.R, 4), "mAP50": round(m.mAP50, 4),
+                          "mAP50-95": round(m.mAP50_95, 4)}
+    return {**row, **extra}
+
+
+def per_class(metrics) -> dict:
+    """AP50-95 per class (``per_class``; segmentation: the mask's, and the box's in ``box_per_class``)."""
+    out = {"per_class": metrics.per_class}
+    if hasattr(metrics, "box"):
+        out["box_per_class"] = metrics.box.per_class
+    return out
+
+
+def _cell(value) -> str:
+    return f"{value:.4f}" if isinstance(value, float) else str(value if value is not None else "")
 
 
 def table(rows: list[dict], columns=COLUMNS, first: str = "Model") -> str:
-    """A markdown table of ``rows`` (dicts with ``name`` and the columns)."""
+    """A markdown table of ``rows`` (dicts with ``name`` and the columns). Segmentation rows (with Box and
+    Mask groups) get the two-level layout: a Box / Mask header over P, R, mAP50, mAP50-95 each."""
+    if rows and columns == COLUMNS and all("Box" in r for r in rows):
+        return seg_table(rows, first)
     lines = [f"| {first} | " + " | ".join(columns) + " |", "|" + "---|" * (len(columns) + 1)]
     for r in rows:
-        cells = [f"{r[c]:.4f}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in columns]
+        lines.append(f"| {r['name']} | " + " | ".join(_cell(r.get(c)) for c in columns) + " |")
+    return "\n".join(lines)
+
+
+def seg_table(rows: list[dict], first: str = "Model") -> str:
+    n = len(SEG_COLUMNS)
+    lines = [f"| {first} | " + " | ".join(" | ".join([g] + [""] * (n - 1)) for g in SEG_GROUPS) + " |",
+             "|" + "---|" * (n * len(SEG_GROUPS) + 1),
+             "| | " + " | ".join(list(SEG_COLUMNS) * len(SEG_GROUPS)) + " |"]
+    for r in rows:
+        cells = [_cell(r[g].get(c)) for g in SEG_GROUPS for c in SEG_COLUMNS]
         lines.append(f"| {r['name']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -50,6 +85,9 @@ def deltas(rows: list[dict], reference: str = "Origin") -> list[dict]:
         d = {"name": f"{label} vs {reference}"}
         for c in COLUMNS:
             d[c] = f"{r[c] - base[c]:+.4f}"
+        for g in SEG_GROUPS:
+            if g in r and g in base:
+                d[g] = {c: f"{r[g][c] - base[g][c]:+.4f}" for c in SEG_COLUMNS}
         out.append(d)
     return out
 
@@ -90,13 +128,21 @@ def plot_epochs(path: Path, epochs: list[dict], rows: list[dict]) -> None:
     """AP per QAT epoch, with the Origin and PTQ levels as lines."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
-    xs = [e["epoch"] for e in epochs if e.get("AP") is not None]
-    ax.plot(xs, [e["AP"] for e in epochs if e.get("AP") is not None], "o-", label="QAT")
-    for r, style in zip(rows, ("--", ":")):
+    seg = any("box_AP" in e for e in epochs)
+    shown = [e for e in epochs if e.get("AP") is not None]
+    ax.plot([e["epoch"] for e in shown], [e["AP"] for e in shown], "o-", color="tab:blue",
+            label="QAT (mask)" if seg else "QAT")
+    if seg:
+        ax.plot([e["epoch"] for e in shown], [e["box_AP"] for e in shown], "s-", color="tab:green", label="QAT (box)")
+    for r in rows:
         if r["name"] in ("Origin", "PTQ"):
-            ax.axhline(r["AP"], linestyle="--" if r["name"] == "Origin" else ":", color="gray" if r["name"] == "Origin" else "tab:orange", label=r["name"])
+            style = {"linestyle": "--" if r["name"] == "Origin" else ":",
+                     "color": "gray" if r["name"] == "Origin" else "tab:orange"}
+            ax.axhline(r["AP"], label=f"{r['name']} (mask)" if seg else r["name"], **style)
+            if seg and "Box" in r:
+                ax.axhline(r["Box"]["mAP50-95"], alpha=0.5, **style)
     ax.set_xlabel("epoch")
-    ax.set_ylabel("mAP50-95")
+    ax.set_ylabel("mAP50-95 (box and mask)" if seg else "mAP50-95")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
