@@ -25,14 +25,11 @@ from modelopt.torch.quantization.calib import HistogramCalibrator
 from modelopt.torch.quantization.nn import TensorQuantizer
 
 from models import quantize_rules as rules
+from models.quantize_defaults import CALIB_METHODS, DEFAULT_CALIB_METHOD, DEFAULT_PERCENTILE
 from models.quantize_dist import amax_vector, seed_histograms, sync_calibration
 from utils.qat import distributed
 from utils.qat.errors import QATError
 from utils.qat.progress import progress
-
-CALIB_METHODS = ("max", "percentile", "mse", "entropy")
-DEFAULT_CALIB_METHOD = "mse"
-DEFAULT_PERCENTILE = 99.99
 
 
 @dataclass

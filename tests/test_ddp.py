@@ -249,8 +249,14 @@ def test_device_mapping(monkeypatch):
     """Under torchrun the listed GPUs become the visible ones, in order; local rank r runs on cuda:r."""
     from utils.qat.device import select_device
     from utils.qat.errors import QATError
+    def cuda_runtime_count():  # what cuInit would see: the GPUs CUDA_VISIBLE_DEVICES names, on an 8-GPU host
+        return len(os.environ["CUDA_VISIBLE_DEVICES"].split(",")) if "CUDA_VISIBLE_DEVICES" in os.environ else gpus[0]
+
+    gpus = [8]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "_is_compiled", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus[0])
+    monkeypatch.setattr(torch._C, "_cuda_getDeviceCount", cuda_runtime_count, raising=False)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert select_device("2,5", _launch(1)) == torch.device("cuda:1")
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "2,5"
@@ -266,12 +272,17 @@ def test_device_mapping(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6,7")
     with pytest.raises(QATError, match="no GPU 3 .CUDA_VISIBLE_DEVICES=4,6,7"):
         select_device("0,3", _launch())
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    gpus[0] = 1
     with pytest.raises(QATError, match="started 2 processes on this node but it has 1 GPU; pass --nproc_per_node 1"):
         select_device("", _launch())
+    monkeypatch.setattr(torch._C, "_cuda_getDeviceCount", lambda: 1)  # CUDA drops GPU 5 of "0,5" on a 2-GPU host
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     with pytest.raises(QATError, match="only 1 of the 2 listed GPUs exist"):
-        select_device("0,1", _launch())
+        select_device("0,5", _launch())
+    monkeypatch.setattr(torch._C, "_cuda_getDeviceCount", lambda: 8)  # CUDA started with all 8 GPUs before
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    with pytest.raises(RuntimeError, match="CUDA started before select_device"):
+        select_device("2,3", _launch())
     # a single process keeps its meaning: one GPU, and a list says how to launch
     assert select_device("0") == torch.device("cuda:0")
     with pytest.raises(QATError, match=r"`python -m torch.distributed.run --nproc_per_node 2 qat.py quantize \.\.\. --device 0,1`"):

@@ -83,16 +83,23 @@ def _rank_device(spec: str, launch: Launch) -> torch.device:
     if len(set(indices)) != len(indices):
         raise QATError(f"--device {spec} lists a GPU twice; list each GPU once (one process per GPU).")
     # Narrow the visible GPUs before anything starts CUDA (torch.cuda.is_available() does: cuInit reads
-    # CUDA_VISIBLE_DEVICES once). Indices are the user's view, i.e. positions in their own CUDA_VISIBLE_DEVICES.
+    # CUDA_VISIBLE_DEVICES once; importing modelopt does too, so qat.py selects the device before importing
+    # it). Indices are the user's view, i.e. positions in their own CUDA_VISIBLE_DEVICES.
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     physical = [s.strip() for s in visible.split(",")] if visible else None
     if physical is not None and max(indices) >= len(physical):
         raise QATError(f"--device {spec}: there is no GPU {max(indices)} (CUDA_VISIBLE_DEVICES={visible} shows "
                        f"{len(physical)}); pick indices below that.")
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(physical[i] if physical else str(i) for i in indices)
-    if not torch.cuda.is_available():
+    # The CUDA runtime's own count (torch.cuda.device_count() asks NVML, which reads the variable anew): more
+    # GPUs than listed means CUDA started before the narrowing, and every rank would not get its listed GPU.
+    found = torch._C._cuda_getDeviceCount() if torch.cuda._is_compiled() else 0
+    if found > len(indices):
+        raise RuntimeError("CUDA started before select_device could narrow CUDA_VISIBLE_DEVICES; something imported "
+                           "earlier (modelopt does) initialised it: select the device first")
+    if found == 0:
         raise QATError(f"--device {spec} asks for CUDA GPUs but none of them is available here; use --device cpu.")
-    if torch.cuda.device_count() < len(indices):
-        raise QATError(f"--device {spec}: only {torch.cuda.device_count()} of the {len(indices)} listed GPUs exist "
-                       "here; list indices that `nvidia-smi -L` shows.")
+    if found < len(indices):
+        raise QATError(f"--device {spec}: only {found} of the {len(indices)} listed GPUs exist here; list indices "
+                       "that `nvidia-smi -L` shows.")
     return torch.device(f"cuda:{launch.local_rank}")
