@@ -311,6 +311,15 @@ def test_errors_before_any_process_starts(yolov9_tree, shapes, tmp_path, monkeyp
     assert list(tmp_path.iterdir()) == []
 
 
+def test_error_of_every_rank_printed_once(yolov9_tree, shapes, tmp_path):
+    """Every rank stops at the same check; rank 0 prints, torchrun ends rank 1 during its grace wait."""
+    r = run_tool(yolov9_tree, *TORCHRUN, *_quantize_args(shapes, tmp_path, "a", "--batch-size", "7"), timeout=TIMEOUT)
+    assert r.returncode != 0
+    lines = [l for l in r.stderr.splitlines() if l.startswith("error: ")]
+    assert len(lines) == 1 and "must split evenly over the 2 processes" in lines[0], r.stderr[-3000:]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_rank0_failure_ends_the_run(yolov9_tree, shapes, tmp_path):
     """Rank 0 alone fails (it alone creates the run folder) while rank 1 goes on calibrating: one sentence,
     non-zero exit, no hang (torchrun ends rank 1)."""
