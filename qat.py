@@ -12,12 +12,15 @@ compat.apply()
 
 import argparse  # noqa: E402
 import copy  # noqa: E402
+import functools  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
 import shutil  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 
-from utils.qat import checkpoint, reports  # noqa: E402
+from utils.qat import checkpoint, distributed, reports  # noqa: E402
 from utils.qat.backends import TorchBackend  # noqa: E402
 from utils.qat.data import check_imgsz, dataloader, images_only, load_data_yaml, load_hyp  # noqa: E402
 from utils.qat.device import select_device  # noqa: E402
@@ -39,7 +42,7 @@ def _common(p: argparse.ArgumentParser, project: str) -> None:
 
 
 def _calibration(p: argparse.ArgumentParser) -> None:
-    from models.quantize import CALIB_METHODS, DEFAULT_CALIB_METHOD, DEFAULT_PERCENTILE
+    from models.quantize_defaults import CALIB_METHODS, DEFAULT_CALIB_METHOD, DEFAULT_PERCENTILE
     p.add_argument("--calib-method", choices=CALIB_METHODS, default=DEFAULT_CALIB_METHOD,
                    help="activation calibration (weights are always per-channel max)")
     p.add_argument("--percentile", type=float, default=DEFAULT_PERCENTILE, help="for --calib-method percentile")
@@ -135,19 +138,37 @@ def _print_table(rows: list[dict]) -> None:
         print(reports.table(diff, first="Comparison"))
 
 
-def _calibrated(fp_model, data, args, device, skip=()):
-    """PTQ: prepare + calibrate on the training split. Returns (model, info)."""
+def _calibrated(fp_model, data, args, device, skip=(), launch=None):
+    """PTQ: prepare + calibrate on the training split. Returns (model, info).
+
+    In a multi-GPU run each rank reads ``--calib-batches`` batches of ``batch-size / world size`` images of
+    its shard, so together the ranks see the same images as one process reading ``--calib-batches``
+    batches of ``--batch-size``; ``calibrate`` then merges their statistics.
+    """
     from models.quantize import calibrate, prepare
     qmodel, info = prepare(fp_model, method=args.calib_method, skip=skip)
     info.percentile = args.percentile
     qmodel.to(device)
-    loader, _ = dataloader(data, "train", args.imgsz, args.batch_size, int(fp_model.stride.max()), workers=args.workers,
-                           rect=False, prefix="calibration: ")
+    world, local_rank = (launch.world_size, launch.local_rank) if launch else (1, -1)
+    loader, _ = dataloader(data, "train", args.imgsz, args.batch_size // world, int(fp_model.stride.max()),
+                           workers=args.workers, rect=False, prefix="calibration: ", local_rank=local_rank)
     example = next(iter(images_only(loader, device, limit=1)))[:1]
     calibrate(qmodel, images_only(loader, device), info, example=example,
               num_batches=min(args.calib_batches, len(loader)))
     qmodel.names = fp_model.names
+    _dump_amax(qmodel)
     return qmodel, info
+
+
+def _dump_amax(qmodel) -> None:
+    """With YOLOV9_QAT_AMAX_DUMP=<folder>, every process writes its calibrated amax values (quantizer name ->
+    list) to <folder>/amax_rank<r>.json: how benchmarks/ddp.py compares ranks and runs. Off by default."""
+    folder = os.environ.get("YOLOV9_QAT_AMAX_DUMP")
+    if not folder:
+        return
+    from models.quantize_dist import amax_table
+    from utils.qat.atomic import write_text
+    write_text(Path(folder) / f"amax_rank{distributed.rank()}.json", json.dumps(amax_table(qmodel)))
 
 
 def _copy_atomic(src: Path, dest: Path) -> None:
@@ -156,10 +177,25 @@ def _copy_atomic(src: Path, dest: Path) -> None:
         shutil.copyfile(src, tmp)
 
 
-def cmd_quantize(args) -> Path:
+def cmd_quantize(args) -> Path | None:
+    """Single process, or one process per GPU under torch.distributed.run (``--batch-size`` is then the
+    global batch, split evenly over the processes). Returns the run folder (None on ranks other than 0)."""
+    launch = distributed.launch_from_env()
+    device = select_device(args.device, launch, multi_gpu=f"{SCRIPTS[args.task]} quantize")
+    world = launch.world_size if launch else 1
+    if args.batch_size % world:
+        raise QATError(f"--batch-size {args.batch_size} is the global batch and must split evenly over the {world} "
+                       f"processes; pass a multiple of {world}, e.g. --batch-size {max(world, args.batch_size // world * world)}.")
+    with distributed.process_group(launch, device):
+        return _quantize(args, device, launch)
+
+
+def _quantize(args, device, launch) -> Path | None:
+    """PTQ, then QAT. Rank 0 (or the single process) evaluates, writes every file and prints; the other
+    ranks calibrate and train on their shards, and wait at barriers while rank 0 evaluates."""
     from models.quantize import finetune, fuse
     from utils.general import init_seeds
-    device = select_device(args.device)
+    world, local_rank = (launch.world_size, launch.local_rank) if launch else (1, -1)
     fp = checkpoint.load_fp(args.weights, task=args.task)
     data = _data(args, ("train", "val"))
     hyp = load_hyp(args.hyp)
@@ -167,80 +203,111 @@ def cmd_quantize(args) -> Path:
     args.imgsz = check_imgsz(args.imgsz, stride)
     init_seeds(args.seed)
     skip = [s for s in args.skip_layers.split(",") if s.strip()]
-    out = reports.run_dir(args.project, args.name, args.exist_ok)
-    wdir = out / "weights"
-    wdir.mkdir(exist_ok=True)
-    stem = Path(args.weights).stem
-    rows, epochs = [], []
-    title = f"yolov9-qat: {Path(args.weights).name} on {Path(args.data).name} at {args.imgsz}px"
+    run = _Run(args, data, device, world) if distributed.is_main() else None
+    if run and not args.no_eval_origin:
+        run.origin(fp)
 
-    def save_report():
-        reports.write_report(out, rows, epochs, title)
-
-    if not args.no_eval_origin:
-        m, sec = _score(_backend(fp, device, args), data, args, "Origin")
-        rows.append(reports.entry("Origin", args.weights, m, sec))
-        save_report()
-
-    qmodel, info = _calibrated(fp, data, args, device, skip)
-    ptq_ap = None
-    if not args.no_eval_ptq:
-        m, sec = _score(_backend(qmodel, device, args), data, args, "PTQ")
-        ptq_ap = m.mAP50_95
-        ptq_path = wdir / f"ptq_ap_{ptq_ap:.4f}_{stem}.pt"
-        rows.append(reports.entry("PTQ", ptq_path, m, sec, calib_method=info.calib_method))
-    else:
-        ptq_path = wdir / f"ptq_{stem}.pt"
-    checkpoint.save_quantized(ptq_path, qmodel, info, epoch=0, metrics=rows[-1] if ptq_ap is not None else None,
-                              task=args.task)
-    save_report()
-    print(f"PTQ model saved to {ptq_path}")
+    start = time.time()
+    qmodel, info = _calibrated(fp, data, args, device, skip, launch)
+    if run:
+        run.ptq(qmodel, info, calibration_seconds=time.time() - start)
 
     if not args.ptq_only:
-        best_path = wdir / f"qat_best_{stem}.pt"
-        best = {"AP": ptq_ap, "epoch": 0, "row": None}
-        if ptq_ap is not None:
-            _copy_atomic(ptq_path, best_path)  # the starting point counts: fine-tuning must beat it
-
-        loader, _ = dataloader(data, "train", args.imgsz, args.batch_size, stride, workers=args.workers,
-                               rect=False, shuffle=True, hyp=hyp, prefix="QAT: ")
+        loader, _ = dataloader(data, "train", args.imgsz, args.batch_size // world, stride, workers=args.workers,
+                               rect=False, shuffle=True, hyp=hyp, prefix="QAT: ", local_rank=local_rank)
         teacher = fuse(copy.deepcopy(fp))
-
-        def on_epoch_end(result):
-            epoch = result.epoch + 1
-            m, sec = _score(_backend(qmodel, device, args), data, args, f"QAT epoch {epoch}")
-            path = wdir / f"qat_ep_{epoch}_ap_{m.mAP50_95:.4f}_{stem}.pt"
-            row = reports.entry(f"QAT epoch {epoch}", path, m, sec)
-            checkpoint.save_quantized(path, qmodel, info, epoch=epoch, metrics=row, task=args.task)
-            epochs.append({"epoch": epoch, **_epoch_record(m), "loss": result.loss,
-                           "train_seconds": round(result.seconds, 1), "weights": str(path)})
-            if best["AP"] is None or m.mAP50_95 > best["AP"]:
-                best.update(AP=m.mAP50_95, epoch=epoch, row=row)
-                _copy_atomic(path, best_path)
-            save_report()
-
         finetune(qmodel, teacher, lambda: images_only(loader, device), epochs=args.epochs, iters=args.iters,
-                 lr=args.lr, supervision_stride=args.supervision_stride, device=device, on_epoch_end=on_epoch_end)
-        if best["row"] is not None:
-            rows.append({**best["row"], "name": "QAT", "weights": str(best_path), "epoch": best["epoch"]})
-        elif ptq_ap is not None:
-            ptq_row = next(r for r in rows if r["name"] == "PTQ")
-            rows.append({**ptq_row, "name": "QAT", "weights": str(best_path), "epoch": 0,
-                         "note": "no fine-tuning epoch beat the calibrated model; qat_best is the PTQ model"})
-        save_report()
-        print(f"best QAT model (epoch {best['epoch']}) saved to {best_path}")
-    _print_table(rows)
-    print(f"\nresults in {out}: report.md, report.json{', qat_ap.png' if epochs else ''}, weights/")
-    return out
+                 lr=args.lr, supervision_stride=args.supervision_stride, device=device,
+                 on_epoch_start=loader.sampler.set_epoch if launch else None,
+                 on_epoch_end=functools.partial(run.epoch_end, qmodel, info) if run else None)
+    return run.finish(qat=not args.ptq_only) if run else None
+
+
+class _Run:
+    """The evaluating and writing side of ``quantize`` (rank 0 of a multi-GPU run): the run folder, the
+    checkpoints, report.json / report.md kept current after every stage, and the tables printed."""
+
+    def __init__(self, args, data: dict, device, world: int):
+        self.args, self.data, self.device = args, data, device
+        self.out = reports.run_dir(args.project, args.name, args.exist_ok)
+        self.wdir = self.out / "weights"
+        self.wdir.mkdir(exist_ok=True)
+        self.stem = Path(args.weights).stem
+        self.title = f"yolov9-qat: {Path(args.weights).name} on {Path(args.data).name} at {args.imgsz}px"
+        self.rows: list[dict] = []
+        self.epochs: list[dict] = []
+        self.meta: dict = {"world_size": world}
+        self.best_path = self.wdir / f"qat_best_{self.stem}.pt"
+        self.ptq_ap: float | None = None
+        self.best_ap: float | None = None
+        self.best_epoch, self.best_row = 0, None
+
+    def save_report(self) -> None:
+        reports.write_report(self.out, self.rows, self.epochs, self.title, **self.meta)
+
+    def origin(self, fp) -> None:
+        m, sec = _score(_backend(fp, self.device, self.args), self.data, self.args, "Origin")
+        self.rows.append(reports.entry("Origin", self.args.weights, m, sec))
+        self.save_report()
+
+    def ptq(self, qmodel, info, calibration_seconds: float) -> None:
+        self.meta["calibration_seconds"] = round(calibration_seconds, 1)
+        if not self.args.no_eval_ptq:
+            m, sec = _score(_backend(qmodel, self.device, self.args), self.data, self.args, "PTQ")
+            self.ptq_ap = self.best_ap = m.mAP50_95
+            path = self.wdir / f"ptq_ap_{m.mAP50_95:.4f}_{self.stem}.pt"
+            self.rows.append(reports.entry("PTQ", path, m, sec, calib_method=info.calib_method))
+        else:
+            path = self.wdir / f"ptq_{self.stem}.pt"
+        checkpoint.save_quantized(path, qmodel, info, epoch=0, metrics=self.rows[-1] if self.ptq_ap is not None else None,
+                                  task=self.args.task)
+        self.save_report()
+        print(f"PTQ model saved to {path}")
+        if self.ptq_ap is not None and not self.args.ptq_only:
+            _copy_atomic(path, self.best_path)  # the starting point counts: fine-tuning must beat it
+
+    def epoch_end(self, qmodel, info, result) -> None:
+        epoch = result.epoch + 1
+        m, sec = _score(_backend(qmodel, self.device, self.args), self.data, self.args, f"QAT epoch {epoch}")
+        path = self.wdir / f"qat_ep_{epoch}_ap_{m.mAP50_95:.4f}_{self.stem}.pt"
+        row = reports.entry(f"QAT epoch {epoch}", path, m, sec)
+        checkpoint.save_quantized(path, qmodel, info, epoch=epoch, metrics=row, task=self.args.task)
+        self.epochs.append({"epoch": epoch, **_epoch_record(m), "loss": result.loss,
+                            "train_seconds": round(result.seconds, 1), "weights": str(path)})
+        if self.best_ap is None or m.mAP50_95 > self.best_ap:
+            self.best_ap, self.best_epoch, self.best_row = m.mAP50_95, epoch, row
+            _copy_atomic(path, self.best_path)
+        self.save_report()
+
+    def finish(self, qat: bool) -> Path:
+        if qat:
+            if self.best_row is not None:
+                self.rows.append({**self.best_row, "name": "QAT", "weights": str(self.best_path), "epoch": self.best_epoch})
+            elif self.ptq_ap is not None:
+                ptq_row = next(r for r in self.rows if r["name"] == "PTQ")
+                self.rows.append({**ptq_row, "name": "QAT", "weights": str(self.best_path), "epoch": 0,
+                                  "note": "no fine-tuning epoch beat the calibrated model; qat_best is the PTQ model"})
+            self.save_report()
+            print(f"best QAT model (epoch {self.best_epoch}) saved to {self.best_path}")
+        _print_table(self.rows)
+        print(f"\nresults in {self.out}: report.md, report.json{', qat_ap.png' if self.epochs else ''}, weights/")
+        return self.out
+
+
+def _one_process_device(spec: str, command: str, task: str = "detect"):
+    """``sensitive`` and ``eval`` run in one process on one GPU: refused under torch.distributed.run."""
+    if distributed.launch_from_env() is not None:
+        script = SCRIPTS[task]
+        raise QATError(f"{script} {command} runs in one process on one GPU; start it as `python3 {script} {command} "
+                       "... --device 0`, without torch.distributed.run (only quantize uses several GPUs).")
+    return select_device(spec)
 
 
 def cmd_sensitive(args) -> Path:
-    import json
-
     from modelopt.torch.quantization.nn import TensorQuantizer
 
     from utils.qat.atomic import write_text
-    device = select_device(args.device)
+    device = _one_process_device(args.device, "sensitive", args.task)
     fp = checkpoint.load_fp(args.weights, task=args.task)
     data = _data(args, ("train", "val"))
     args.imgsz = check_imgsz(args.imgsz, int(fp.stride.max()))
@@ -280,10 +347,8 @@ def cmd_sensitive(args) -> Path:
 
 
 def cmd_eval(args) -> Path:
-    import json
-
     from utils.qat.atomic import write_text
-    device = select_device(args.device)
+    device = _one_process_device(args.device, "eval", args.task)
     ckpt = checkpoint.read(args.weights)
     if checkpoint.is_quantized(ckpt):
         model, info, _ = checkpoint.load_quantized(args.weights, task=args.task, ckpt=ckpt)

@@ -25,12 +25,11 @@ from modelopt.torch.quantization.calib import HistogramCalibrator
 from modelopt.torch.quantization.nn import TensorQuantizer
 
 from models import quantize_rules as rules
+from models.quantize_defaults import CALIB_METHODS, DEFAULT_CALIB_METHOD, DEFAULT_PERCENTILE
+from models.quantize_dist import amax_vector, seed_histograms, sync_calibration
+from utils.qat import distributed
 from utils.qat.errors import QATError
 from utils.qat.progress import progress
-
-CALIB_METHODS = ("max", "percentile", "mse", "entropy")
-DEFAULT_CALIB_METHOD = "mse"
-DEFAULT_PERCENTILE = 99.99
 
 
 @dataclass
@@ -98,6 +97,10 @@ def calibrate(model: nn.Module, batches: Iterable[torch.Tensor], info: QuantInfo
     """Collect statistics over ``batches`` (images as float tensors on the model's device), set amax on
     every enabled quantizer with ``info.calib_method``, then give each shared-scale group one amax.
 
+    In a multi-GPU run (process group joined) every rank calls this with its own shard of the images; the
+    ranks then agree on amax from the statistics of all of them (``models/quantize_dist.py``) and leave
+    with identical quantizers (checked).
+
     modelopt 0.47's own histogram path calls ``compute_amax()`` without the method and computes each
     histogram amax twice; calibration is driven here instead: one pass, one ``compute_amax`` per quantizer.
     """
@@ -109,6 +112,8 @@ def calibrate(model: nn.Module, batches: Iterable[torch.Tensor], info: QuantInfo
         q.enable_calib()
     seen = 0
     try:
+        if distributed.active():  # every rank starts its histograms on the bins of the global first batch
+            batches = seed_histograms(model, quantizers, batches)
         for images in progress(batches, total=num_batches, desc=f"calibrating ({info.calib_method})"):
             model(images)
             seen += 1
@@ -116,11 +121,14 @@ def calibrate(model: nn.Module, batches: Iterable[torch.Tensor], info: QuantInfo
                 break
         if seen == 0:
             raise QATError("no calibration images were read; check the 'train' entry of the dataset yaml.")
-        for q in progress(quantizers, desc="computing amax", leave=False):
-            if isinstance(q._calibrator, HistogramCalibrator):
-                q.amax = histogram_amax(q._calibrator, info.calib_method, info.percentile).to(images.device)
-            else:
-                q.load_calib_amax()
+        if distributed.active():  # each rank saw its shard: agree on amax from the statistics of all
+            sync_calibration(quantizers, info.calib_method, info.percentile, images.device)
+        else:
+            for q in progress(quantizers, desc="computing amax", leave=False):
+                if isinstance(q._calibrator, HistogramCalibrator):
+                    q.amax = histogram_amax(q._calibrator, info.calib_method, info.percentile).to(images.device)
+                else:
+                    q.load_calib_amax()
     finally:
         for q in quantizers:
             q.disable_calib()
@@ -128,6 +136,8 @@ def calibrate(model: nn.Module, batches: Iterable[torch.Tensor], info: QuantInfo
         model.train(training)
     info.scale_groups = rules.scale_groups(model, example)
     rules.tie_scales(model, info.scale_groups)
+    if distributed.active():
+        distributed.check_identical(amax_vector(model), "quantizer amax values after calibration")
     return info
 
 
@@ -202,12 +212,20 @@ class EpochResult:
 def finetune(model: nn.Module, teacher: nn.Module, batches: Callable[[], Iterable[torch.Tensor]], *,
              epochs: int = 10, iters: int = 200, lr: float = 1e-5, supervision_stride: int = 1,
              device: torch.device | str = "cpu", amp: bool | None = None,
+             on_epoch_start: Callable[[int], None] | None = None,
              on_epoch_end: Callable[[EpochResult], None] | None = None) -> list[EpochResult]:
     """Fine-tune the fake-quantized ``model`` so its supervised layer outputs match ``teacher``'s (MSE).
 
     ``batches()`` returns a fresh iterable of image tensors per epoch; at most ``iters`` are used per
     epoch. Adam with a cosine schedule from ``lr`` down to ``lr / 100``; AMP on CUDA by default.
-    ``on_epoch_end`` is called after every epoch (evaluate, save).
+    ``on_epoch_start(epoch)`` runs before every epoch (e.g. a sampler's ``set_epoch``), ``on_epoch_end``
+    after every epoch (evaluate, save).
+
+    In a multi-GPU run (process group joined) every rank calls this with its own shard of each global batch
+    (the same number of batches on every rank) and its own copy of the teacher. The student is wrapped in
+    DistributedDataParallel, which averages the ranks' gradients: each rank's loss is a mean over its equal
+    share of the batch, so a step is the one-process step on the global batch. The loss reported is the mean
+    over the ranks; ``on_epoch_end`` runs on rank 0 only while the other ranks wait at a barrier.
     """
     device = torch.device(device)
     amp = device.type == "cuda" if amp is None else amp
@@ -223,10 +241,13 @@ def finetune(model: nn.Module, teacher: nn.Module, batches: Callable[[], Iterabl
         optimizer, lambda step: 0.01 + 0.99 * 0.5 * (1 + math.cos(math.pi * min(step, total) / total)))
     scaler = torch.amp.GradScaler(device.type, enabled=amp)
     autocast = (lambda: torch.autocast(device.type, dtype=torch.float16)) if amp else contextlib.nullcontext
+    student = _distributed(model, device)
     results = []
     student_taps, teacher_taps = _Taps(model, indices), _Taps(teacher, indices)
     try:
         for epoch in range(epochs):
+            if on_epoch_start is not None:
+                on_epoch_start(epoch)
             model.eval()  # BN is folded; eval keeps the head's output layout equal to the teacher's
             start, running, steps = time.time(), 0.0, 0
             bar = progress(batches(), total=iters, desc=f"QAT epoch {epoch + 1}/{epochs}")
@@ -235,7 +256,7 @@ def finetune(model: nn.Module, teacher: nn.Module, batches: Callable[[], Iterabl
                 with torch.no_grad(), autocast():
                     teacher(images)
                 with autocast():
-                    model(images)
+                    student(images)
                     loss = sum(torch.nn.functional.mse_loss(s.float(), t.float())
                                for i in indices
                                for s, t in zip(student_taps.outputs[i], teacher_taps.outputs[i]))
@@ -249,12 +270,33 @@ def finetune(model: nn.Module, teacher: nn.Module, batches: Callable[[], Iterabl
                 bar.set_postfix(loss=f"{running / steps:.5f}")
                 if steps >= iters:
                     break
-            result = EpochResult(epoch, running / max(steps, 1), time.time() - start)
+            result = EpochResult(epoch, distributed.all_reduce_mean(running / max(steps, 1)), time.time() - start)
             results.append(result)
-            if on_epoch_end is not None:
+            if on_epoch_end is not None and distributed.is_main():
                 on_epoch_end(result)
+            distributed.barrier()
     finally:
         student_taps.close()
         teacher_taps.close()
     model.eval()
     return results
+
+
+def _distributed(model: nn.Module, device: torch.device) -> nn.Module:
+    """``model`` wrapped in DistributedDataParallel in a multi-GPU run, else ``model`` itself.
+
+    Hooks stay on ``model``'s layers (DDP calls its forward). Buffers are not re-broadcast every step: the
+    only ones are the quantizers' amax (fixed during QAT, identical on every rank after calibration) and
+    the head's anchors and strides. Every trainable parameter reaches the loss (the last layer is always
+    supervised and every block of a YOLOv9 model feeds it), so DDP needs no unused-parameter search.
+    """
+    if not distributed.active():
+        return model
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+    # torch >= 2.14 names it forward_sync_buffers (buffers still synced once, at construction)
+    no_sync = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+               else "broadcast_buffers")
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                   **{no_sync: False})

@@ -81,14 +81,19 @@ def check_imgsz(imgsz: int, stride: int) -> int:
 
 
 def dataloader(data: dict, split: str, imgsz: int, batch_size: int, stride: int, *, workers: int = 8,
-               rect: bool = True, shuffle: bool = False, hyp: dict | None = None, prefix: str = ""):
+               rect: bool = True, shuffle: bool = False, hyp: dict | None = None, prefix: str = "",
+               local_rank: int = -1):
     """Upstream's dataloader: validation form (letterbox, pad 0.5, rect) by default; with ``hyp``, the
-    training form with upstream's augmentation. Returns ``(loader, dataset)``."""
+    training form with upstream's augmentation. Returns ``(loader, dataset)``.
+
+    ``local_rank`` >= 0 (a process of a multi-GPU run, process group joined): ``batch_size`` images per
+    process from upstream's ``DistributedSampler`` shard, rank r reading images r, r + W, r + 2W, ...
+    (``shuffle``: of one permutation shared by the ranks, drawn anew after ``loader.sampler.set_epoch``)."""
     from utils.dataloaders import create_dataloader
     return create_dataloader(data[split], imgsz, batch_size, stride, single_cls=False, hyp=hyp,
                              augment=hyp is not None, pad=0.5 if rect else 0.0, rect=rect,
                              workers=min(workers, os.cpu_count() or 1), shuffle=shuffle,
-                             prefix=prefix or f"{split}: ")
+                             prefix=prefix or f"{split}: ", rank=local_rank)
 
 
 def seg_dataloader(data: dict, split: str, imgsz: int, batch_size: int, stride: int, *, workers: int = 8,

@@ -100,10 +100,11 @@ def comparison_markdown(rows: list[dict], title: str) -> str:
     return "\n".join(parts) + "\n"
 
 
-def write_report(run_dir: Path, rows: list[dict], epochs: list[dict], title: str) -> None:
-    """report.json + report.md (+ qat_ap.png when there are epochs), each written atomically."""
+def write_report(run_dir: Path, rows: list[dict], epochs: list[dict], title: str, **meta) -> None:
+    """report.json + report.md (+ qat_ap.png when there are epochs), each written atomically. ``meta``
+    (e.g. world_size, calibration_seconds) goes into report.json beside the models and epochs."""
     run_dir = Path(run_dir)
-    write_text(run_dir / "report.json", json.dumps({"title": title, "models": rows, "epochs": epochs}, indent=2))
+    write_text(run_dir / "report.json", json.dumps({"title": title, **meta, "models": rows, "epochs": epochs}, indent=2))
     write_text(run_dir / "report.md", comparison_markdown(rows, title))
     if epochs:
         plot_epochs(run_dir / "qat_ap.png", epochs, rows)
@@ -113,8 +114,9 @@ def add_row(report_json: str | Path, row: dict) -> None:
     """Add (or replace, by name) one evaluated model in a qat.py report and re-render its report.md."""
     report_json = Path(report_json)
     report = json.loads(report_json.read_text())
-    report["models"] = [r for r in report["models"] if r["name"] != row["name"]] + [row]
-    write_report(report_json.parent, report["models"], report["epochs"], report.get("title", "yolov9-qat"))
+    models = [r for r in report.pop("models") if r["name"] != row["name"]] + [row]
+    epochs, title = report.pop("epochs"), report.pop("title", "yolov9-qat")
+    write_report(report_json.parent, models, epochs, title, **report)
 
 
 def _pyplot():

@@ -1,0 +1,331 @@
+"""Multi-process QAT on the CPU (gloo): qat.py under torch.distributed.run against one process, the histogram
+merge, the device mapping, and the errors. Launches use ``--standalone`` (torchrun picks a free port)."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, run_tool
+
+QS = REPO / "weights" / "gelan-qs-shapes.pt"
+TIMEOUT = 300  # a hang fails the test instead of blocking CI
+TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2")
+
+
+def _quantize_args(data: Path, project: Path, name: str, *extra: str) -> list[str]:
+    return ["qat.py", "quantize", "--weights", str(QS), "--data", str(data), "--device", "cpu", "--imgsz", "64",
+            "--batch-size", "8", "--calib-batches", "2", "--workers", "2", "--project", str(project), "--name", name,
+            "--exist-ok", *extra]
+
+
+def _amax(ckpt: Path) -> dict[str, torch.Tensor]:
+    from utils.qat import checkpoint
+    return {k: v for k, v in checkpoint.read(ckpt)["state_dict"].items() if k.endswith("_amax")}
+
+
+def _one_process(argv: list[str]) -> Path:
+    """qat.py in this process with one thread, as torchrun gives each of its processes: CPU convolutions
+    then round alike, and amax from the same images compares exactly."""
+    import qat
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return qat.main(qat.get_args_parser().parse_args(argv[1:]))
+    finally:
+        torch.set_num_threads(threads)
+
+
+# ---- qat.py quantize on 2 processes vs 1, through benchmarks/ddp.py (max calibration, 1 QAT epoch) ----------
+
+@pytest.fixture(scope="module")
+def bench(yolov9_tree, shapes, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    r = run_tool(yolov9_tree, str(REPO / "benchmarks" / "ddp.py"), "--cpu", "--weights", str(QS), "--data", str(shapes),
+                 "--imgsz", "64", "--batch-size", "8", "--epochs", "1", "--iters", "2", "--calib-batches", "2",
+                 "--workers", "2", "--out", str(out), timeout=2 * TIMEOUT)
+    assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
+    return out, r
+
+
+def test_two_processes_write_one_run(bench):
+    out, _ = bench
+    assert sorted(p.name for p in (out / "runs").iterdir()) == ["1proc", "2proc"]  # rank 1 made no folder of its own
+    run = out / "runs" / "2proc"
+    report = json.loads((run / "report.json").read_text())
+    assert report["world_size"] == 2 and report["calibration_seconds"] > 0
+    assert [m["name"] for m in report["models"]] == ["PTQ", "QAT"] and len(report["epochs"]) == 1
+    weights = sorted(p.name for p in (run / "weights").iterdir())
+    assert weights[0].startswith("ptq_ap_") and weights[1].startswith("qat_best_") and weights[2].startswith("qat_ep_1_")
+    assert len(weights) == 3
+    assert json.loads((out / "runs" / "1proc" / "report.json").read_text())["world_size"] == 1
+
+
+def test_max_calibration_equals_one_process(bench):
+    """Same global batches: the 2-process PTQ checkpoint holds exactly the amax of the one-process one, and
+    both ranks held the same quantizers."""
+    out, _ = bench
+    one, two = (_amax(next((out / "runs" / n / "weights").glob("ptq_*.pt"))) for n in ("1proc", "2proc"))
+    assert one.keys() == two.keys() and len(one) > 300
+    assert all(torch.equal(one[k], two[k]) for k in one)
+    ranks = [json.loads((out / "amax_2proc" / f"amax_rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0] == ranks[1]
+
+
+def test_benchmark_report(bench):
+    out, r = bench
+    result = json.loads((out / "ddp.json").read_text())
+    assert result["amax_vs_1proc"]["max_abs"] == 0 and result["amax_across_ranks"]["max_abs"] == 0
+    assert result["run_2"]["world_size"] == 2 and result["speedup"] > 0
+    assert set(result["qat_seconds_per_epoch"]) == {"1", "2"}
+    md = (out / "ddp.md").read_text()
+    assert "| QAT seconds per epoch (mean) |" in md and "| epoch 1: loss, AP, seconds |" in md and md in r.stdout
+
+
+# ---- histogram calibration across ranks ------------------------------------------------------------------------
+
+def _histograms(values: torch.Tensor, batches: list[slice], seed: torch.Tensor | None = None):
+    from modelopt.torch.quantization.calib import HistogramCalibrator
+
+    from models.quantize_dist import start_bins
+    c = HistogramCalibrator()
+    if seed is not None:
+        start_bins(c, seed)
+    for b in batches:
+        c.collect(values[b])
+    return c
+
+
+def test_histogram_merge():
+    """Two 'ranks' each collect half of every batch; one calibrator collects the whole batches."""
+    from modelopt.torch.quantization.calib import HistogramCalibrator
+
+    from models.quantize import histogram_amax, mse_amax
+    from models.quantize_dist import merge_histograms
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 4000, generator=g) ** 3  # heavy tails; batch 2 holds the largest value, so bins grow
+    x[2, 7] = x.abs().max() * 1.5
+    whole = _histograms(x, [slice(0, 2), slice(2, 4)])
+    halves = [[slice(r, 2, 2), slice(2 + r, 4, 2)] for r in (0, 1)]
+
+    def merged(parts):
+        h, e = merge_histograms([(p._calib_hist, p._calib_bin_edges) for p in parts])
+        m = HistogramCalibrator(num_bins=len(h))
+        m._calib_hist, m._calib_bin_edges = h, e
+        return m
+
+    # one part merges to itself
+    same = merged([whole])
+    assert torch.equal(same._calib_hist, whole._calib_hist) and torch.equal(same._calib_bin_edges, torch.as_tensor(whole._calib_bin_edges))
+
+    # seeded with the first batch's largest |x| over both ranks: the bins coincide, the merge adds them up;
+    # seeding is invisible to a calibrator that sees everything
+    top = x[0:2].abs().max()
+    assert torch.equal(_histograms(x, [slice(0, 2), slice(2, 4)], seed=top)._calib_hist, whole._calib_hist)
+    seeded = merged([_histograms(x, h, seed=top) for h in halves])
+    assert seeded._calib_hist.sum() == whole._calib_hist.sum() == x.numel()
+    assert torch.equal(torch.as_tensor(seeded._calib_bin_edges)[:2], torch.as_tensor(whole._calib_bin_edges)[:2])
+    for method in ("percentile", "mse"):
+        assert torch.allclose(histogram_amax(seeded, method, 99.9), histogram_amax(whole, method, 99.9), rtol=1e-6)
+
+    # unseeded: each rank's width comes from its own first half-batch; counts are conserved, and amax lands
+    # within two merged bins (percentile) or at a clipping error within 1% of the best (mse's error curve is
+    # flat near its minimum, so the argmin may move further while the error barely changes)
+    plain = merged([_histograms(x, h) for h in halves])
+    assert plain._calib_hist.sum() == x.numel()
+    width = float(plain._calib_bin_edges[1])
+    assert width == pytest.approx(float(whole._calib_bin_edges[1]))  # the widest rank's bins = one process's
+    p1, p2 = (float(histogram_amax(c, "percentile", 99.9)) for c in (whole, plain))
+    assert abs(p1 - p2) <= 2 * width
+
+    def clip_error(c, amax):
+        edges = torch.as_tensor(c._calib_bin_edges).double()
+        centres, counts = (edges[1:] + edges[:-1]) / 2, c._calib_hist.double()
+        scale = amax / 127
+        return float(((torch.clamp(torch.round(centres / scale), max=127) * scale - centres) ** 2 * counts).sum())
+
+    best = float(mse_amax(whole._calib_hist, whole._calib_bin_edges))
+    found = float(mse_amax(plain._calib_hist, plain._calib_bin_edges))
+    assert clip_error(whole, found) <= 1.01 * clip_error(whole, best)
+
+
+def test_seeding_changes_nothing_in_one_process(yolov9_tree):
+    """seed_histograms on a real model in one process: the histograms equal those of plain collection
+    (a Concat's quantizer is seeded from its first input, as modelopt's first collect sees it)."""
+    from modelopt.torch.quantization.calib import HistogramCalibrator
+
+    from models.quantize import _enabled_quantizers, prepare
+    from models.quantize_dist import seed_histograms
+    from utils.qat import checkpoint
+    fp = checkpoint.load_fp(QS)
+    images = [torch.rand(2, 3, 64, 64, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    hists = []
+    for seeded in (False, True):
+        model, _ = prepare(fp, method="mse")
+        qs = _enabled_quantizers(model)
+        for q in qs:
+            q.disable_quant()
+            q.enable_calib()
+        with torch.no_grad():
+            for im in (seed_histograms(model, qs, images) if seeded else images):
+                model(im)
+        hists.append([(q._calibrator._calib_hist, torch.as_tensor(q._calibrator._calib_bin_edges)) for q in qs
+                      if isinstance(q._calibrator, HistogramCalibrator)])
+    assert len(hists[0]) > 100
+    assert all(torch.equal(h0, h1) and torch.equal(e0, e1) for (h0, e0), (h1, e1) in zip(*hists))
+
+
+# ---- calibration and fine-tuning in a process group vs one process (tests/ddp_finetune.py) -------------------
+
+@pytest.fixture(scope="module")
+def library_runs(yolov9_tree, tmp_path_factory):
+    """tests/ddp_finetune.py on 2 processes (each rank's results) and in this process (the reference)."""
+    import ddp_finetune
+    out = tmp_path_factory.mktemp("ddp-library")
+    r = run_tool(yolov9_tree, *TORCHRUN, str(REPO / "tests" / "ddp_finetune.py"), str(out), timeout=TIMEOUT,
+                 env={"PYTHONPATH": str(yolov9_tree)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    ranks = [torch.load(out / f"rank{i}.pt", weights_only=False) for i in (0, 1)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as torchrun gives each process: CPU convolutions then round alike
+    try:
+        one = ddp_finetune.results()
+    finally:
+        torch.set_num_threads(threads)
+    return one, ranks
+
+
+def test_calibration_in_process_group(library_runs):
+    """Each rank calibrates on half of every batch. max: exactly the one-process amax. mse: within one
+    histogram bin (bins are 1/2048 of the first batch's largest |x| and mse picks amax at bin 128 or above,
+    so one bin is at most amax/128), nearly all identical (ranks start on one process's bins). Both ranks
+    end with identical quantizers."""
+    one, (r0, r1) = library_runs
+    for method in ("max", "mse"):
+        assert r0[f"{method}_amax"].keys() == r1[f"{method}_amax"].keys() == one[f"{method}_amax"].keys()
+        assert all(torch.equal(r0[f"{method}_amax"][k], r1[f"{method}_amax"][k]) for k in r0[f"{method}_amax"])
+    assert all(torch.equal(one["max_amax"][k], r0["max_amax"][k]) for k in one["max_amax"])
+    a = torch.cat([v.flatten() for v in one["mse_amax"].values()])
+    b = torch.cat([r0["mse_amax"][k].flatten() for k in one["mse_amax"]])
+    assert ((a - b).abs() <= a / 128).all()
+    assert (a == b).float().mean() > 0.95
+
+
+def test_finetune_in_process_group(library_runs):
+    """DDP on 2 x half of every batch = one process on the whole batch: after 2 epochs x 3 steps the weights
+    agree to float noise (Adam amplifies it: measured 1.1e-6, 1% of one step of lr 1e-4; wrong halves or
+    unaveraged gradients move weights by about a step per iteration) and the losses to 1e-5."""
+    import ddp_finetune
+    one, (r0, r1) = library_runs
+    assert one["losses"] == pytest.approx(r0["losses"], rel=1e-5) and r0["losses"] == r1["losses"]
+    lr = ddp_finetune.LR
+    moved = max(float((one["state"][k] - one["start"][k]).abs().max()) for k in one["state"])
+    diff = max(float((one["state"][k] - r0["state"][k]).abs().max()) for k in one["state"])
+    assert moved > lr and diff <= 0.05 * lr
+    assert all(torch.equal(r0["state"][k], r1["state"][k]) for k in r0["state"])  # DDP keeps the ranks in step
+
+
+# ---- devices and errors ----------------------------------------------------------------------------------------
+
+def _launch(rank=0, world=2, local_world=2):
+    from utils.qat.distributed import Launch
+    return Launch(rank=rank, local_rank=rank, world_size=world, local_world_size=local_world)
+
+
+def test_launch_from_env():
+    from utils.qat.distributed import Launch, launch_from_env
+    from utils.qat.errors import QATError
+    assert launch_from_env({}) is None
+    assert launch_from_env({"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}) is None  # --nproc_per_node 1
+    env = {"WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    assert launch_from_env(env) == Launch(rank=3, local_rank=1, world_size=4, local_world_size=2)
+    with pytest.raises(QATError, match="not integers"):
+        launch_from_env({"WORLD_SIZE": "two", "RANK": "0", "LOCAL_RANK": "0"})
+
+
+def test_device_mapping(monkeypatch):
+    """Under torchrun the listed GPUs become the visible ones, in order; local rank r runs on cuda:r."""
+    from utils.qat.device import select_device
+    from utils.qat.errors import QATError
+    def cuda_runtime_count():  # what cuInit would see: the GPUs CUDA_VISIBLE_DEVICES names, on an 8-GPU host
+        return len(os.environ["CUDA_VISIBLE_DEVICES"].split(",")) if "CUDA_VISIBLE_DEVICES" in os.environ else gpus[0]
+
+    gpus = [8]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "_is_compiled", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus[0])
+    monkeypatch.setattr(torch._C, "_cuda_getDeviceCount", cuda_runtime_count, raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert select_device("2,5", _launch(1)) == torch.device("cuda:1")
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "2,5"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6,7")  # indices are the user's view of their own list
+    assert select_device("cuda:2,0", _launch(0)) == torch.device("cuda:0")
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "7,4"
+    assert select_device("", _launch(1)) == torch.device("cuda:1")
+    assert select_device("cpu", _launch(1)) == torch.device("cpu")
+    with pytest.raises(QATError, match="lists 3 GPUs but torch.distributed.run started 2 processes.*--nproc_per_node 3"):
+        select_device("0,1,2", _launch())
+    with pytest.raises(QATError, match="lists a GPU twice"):
+        select_device("1,1", _launch())
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6,7")
+    with pytest.raises(QATError, match="no GPU 3 .CUDA_VISIBLE_DEVICES=4,6,7"):
+        select_device("0,3", _launch())
+    gpus[0] = 1
+    with pytest.raises(QATError, match="started 2 processes on this node but it has 1 GPU; pass --nproc_per_node 1"):
+        select_device("", _launch())
+    monkeypatch.setattr(torch._C, "_cuda_getDeviceCount", lambda: 1)  # CUDA drops GPU 5 of "0,5" on a 2-GPU host
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    with pytest.raises(QATError, match="only 1 of the 2 listed GPUs exist"):
+        select_device("0,5", _launch())
+    monkeypatch.setattr(torch._C, "_cuda_getDeviceCount", lambda: 8)  # CUDA started with all 8 GPUs before
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    with pytest.raises(RuntimeError, match="CUDA started before select_device"):
+        select_device("2,3", _launch())
+    # a single process keeps its meaning: one GPU, and a list says how to launch
+    assert select_device("0") == torch.device("cuda:0")
+    with pytest.raises(QATError, match=r"`python -m torch.distributed.run --nproc_per_node 2 qat.py quantize \.\.\. --device 0,1`"):
+        select_device("0,1", multi_gpu="qat.py quantize")
+    with pytest.raises(QATError, match="this command runs on one"):
+        select_device("0,1")
+
+
+def test_errors_before_any_process_starts(yolov9_tree, shapes, tmp_path, monkeypatch):
+    """Raised identically on every rank before the process group exists, with nothing written."""
+    import qat
+    from utils.qat.errors import QATError
+
+    def main(*argv):
+        return qat.main(qat.get_args_parser().parse_args(list(argv)))
+
+    with pytest.raises(QATError, match="python -m torch.distributed.run --nproc_per_node 2 qat.py quantize"):
+        main(*_quantize_args(shapes, tmp_path, "a")[1:], "--device", "0,1")
+    for k, v in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(QATError, match="global batch and must split evenly over the 2 processes.*--batch-size 6"):
+        main(*_quantize_args(shapes, tmp_path, "b")[1:], "--batch-size", "7")
+    for command in ("eval", "sensitive"):
+        with pytest.raises(QATError, match=f"qat.py {command} runs in one process on one GPU"):
+            main(command, "--weights", str(QS), "--data", str(shapes), "--device", "cpu", "--project", str(tmp_path))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_error_of_every_rank_printed_once(yolov9_tree, shapes, tmp_path):
+    """Every rank stops at the same check; rank 0 prints, torchrun ends rank 1 during its grace wait."""
+    r = run_tool(yolov9_tree, *TORCHRUN, *_quantize_args(shapes, tmp_path, "a", "--batch-size", "7"), timeout=TIMEOUT)
+    assert r.returncode != 0
+    lines = [l for l in r.stderr.splitlines() if l.startswith("error: ")]
+    assert len(lines) == 1 and "must split evenly over the 2 processes" in lines[0], r.stderr[-3000:]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_rank0_failure_ends_the_run(yolov9_tree, shapes, tmp_path):
+    """Rank 0 alone fails (it alone creates the run folder) while rank 1 goes on calibrating: one sentence,
+    non-zero exit, no hang (torchrun ends rank 1)."""
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    r = run_tool(yolov9_tree, *TORCHRUN, *_quantize_args(shapes, blocker, "b", "--ptq-only"), timeout=TIMEOUT)
+    assert r.returncode != 0
+    lines = [l for l in r.stderr.splitlines() if l.startswith("error: ")]
+    assert len(lines) == 1 and "cannot create the results folder" in lines[0], r.stderr[-3000:]
