@@ -196,6 +196,24 @@ def test_qat_seg_eval_reproduces_report(yolov9_tree, seg_shapes, seg_run, tmp_pa
     assert set(result["per_class"]) == set(result["box_per_class"]) == set(gen.NAMES)
 
 
+def test_qat_seg_eval_save_json(yolov9_tree, seg_shapes, tmp_path):
+    """--save-json writes COCO records with RLE masks that decode to the image size and sit in their box."""
+    mask_api = pytest.importorskip("pycocotools.mask")
+    r = run_tool(yolov9_tree, "segment/qat_seg.py", "eval", "--weights", str(SEG), "--allow-fp", "--data", str(seg_shapes),
+                 "--device", "cpu", "--imgsz", IMGSZ, "--num-image", "2", "--save-json", "--project", str(tmp_path),
+                 "--name", "j", "--workers", "2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    records = json.loads((tmp_path / "j" / "predictions.json").read_text())
+    top = [d for d in records if d["score"] > 0.5]
+    assert top and {d["image_id"] for d in records} == {"val_000000", "val_000001"}
+    for d in top:
+        m = mask_api.decode(d["segmentation"])
+        assert m.shape == (256, 256) and m.sum() > 20
+        x, y, w, h = d["bbox"]
+        ys, xs = np.nonzero(m)
+        assert xs.min() >= x - 2 and xs.max() <= x + w + 2 and ys.min() >= y - 2 and ys.max() <= y + h + 2
+
+
 def test_qat_seg_export_and_onnxruntime(yolov9_tree, seg_shapes, seg_run, tmp_path):
     """The quantized segmentation model exports with a clean lint; ONNX Runtime's box and mask mAP stay near
     the fake-quant numbers (INT8 rounding ties differ between the two, see README), and the End2End graph

@@ -86,6 +86,8 @@ def evaluate_seg(backend, data: dict, *, imgsz: int = 640, batch_size: int = 16,
     from utils.metrics import box_iou
     from utils.segment.general import mask_iou, process_mask, process_mask_upsample
 
+    if save_json:
+        _rle_encoder()  # a missing pycocotools stops here, before any work
     names = backend.names or data["names"]
     nc = len(names)
     iouv = torch.linspace(0.5, 0.95, 10)
@@ -158,12 +160,8 @@ def evaluate_seg(backend, data: dict, *, imgsz: int = 640, batch_size: int = 16,
 
 def _json_records(predn: torch.Tensor, masks: torch.Tensor, input_shape, shapes, path: Path) -> list[dict]:
     """COCO-style records with RLE masks in the original image's pixels (needs pycocotools)."""
-    try:
-        from pycocotools.mask import encode
-    except ImportError as e:
-        raise QATError("--save-json for segmentation writes COCO RLE masks and needs pycocotools; "
-                       "pip install pycocotools, or drop --save-json.") from e
     from utils.segment.general import scale_image
+    encode = _rle_encoder()
     image_id = int(path.stem) if path.stem.isnumeric() else path.stem
     full = scale_image(input_shape, masks.permute(1, 2, 0).contiguous().numpy(), shapes[0], shapes[1])
     box = predn[:, :4].clone()
@@ -175,3 +173,12 @@ def _json_records(predn: torch.Tensor, masks: torch.Tensor, input_shape, shapes,
         records.append({"image_id": image_id, "category_id": int(p[5]), "bbox": [round(x, 3) for x in b],
                         "score": round(p[4], 5), "segmentation": rle})
     return records
+
+
+def _rle_encoder():
+    try:
+        from pycocotools.mask import encode
+    except ImportError as e:
+        raise QATError("--save-json for segmentation writes COCO RLE masks and needs pycocotools; "
+                       "pip install pycocotools, or drop --save-json.") from e
+    return encode
