@@ -152,9 +152,7 @@ def _calibrated(fp_model, data, args, device, skip=(), launch=None):
     world, local_rank = (launch.world_size, launch.local_rank) if launch else (1, -1)
     loader, _ = dataloader(data, "train", args.imgsz, args.batch_size // world, int(fp_model.stride.max()),
                            workers=args.workers, rect=False, prefix="calibration: ", local_rank=local_rank)
-    example = next(iter(images_only(loader, device, limit=1)))[:1]
-    calibrate(qmodel, images_only(loader, device), info, example=example,
-              num_batches=min(args.calib_batches, len(loader)))
+    calibrate(qmodel, images_only(loader, device), info, num_batches=min(args.calib_batches, len(loader)))
     qmodel.names = fp_model.names
     _dump_amax(qmodel)
     return qmodel, info

@@ -92,10 +92,11 @@ def _enabled_quantizers(model: nn.Module) -> list[TensorQuantizer]:
 
 
 @torch.no_grad()
-def calibrate(model: nn.Module, batches: Iterable[torch.Tensor], info: QuantInfo, example: torch.Tensor,
+def calibrate(model: nn.Module, batches: Iterable[torch.Tensor], info: QuantInfo, example: torch.Tensor | None = None,
               num_batches: int | None = None) -> QuantInfo:
     """Collect statistics over ``batches`` (images as float tensors on the model's device), set amax on
     every enabled quantizer with ``info.calib_method``, then give each shared-scale group one amax.
+    ``example``: the input traced to find the shared-scale groups (default: the first calibration image).
 
     In a multi-GPU run (process group joined) every rank calls this with its own shard of the images; the
     ranks then agree on amax from the statistics of all of them (``models/quantize_dist.py``) and leave
@@ -116,6 +117,8 @@ def calibrate(model: nn.Module, batches: Iterable[torch.Tensor], info: QuantInfo
             batches = seed_histograms(model, quantizers, batches)
         for images in progress(batches, total=num_batches, desc=f"calibrating ({info.calib_method})"):
             model(images)
+            if example is None:
+                example = images[:1]
             seen += 1
             if num_batches is not None and seen >= num_batches:
                 break

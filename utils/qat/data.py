@@ -82,29 +82,24 @@ def check_imgsz(imgsz: int, stride: int) -> int:
 
 def dataloader(data: dict, split: str, imgsz: int, batch_size: int, stride: int, *, workers: int = 8,
                rect: bool = True, shuffle: bool = False, hyp: dict | None = None, prefix: str = "",
-               local_rank: int = -1):
+               local_rank: int = -1, masks: bool = False):
     """Upstream's dataloader: validation form (letterbox, pad 0.5, rect) by default; with ``hyp``, the
     training form with upstream's augmentation. Returns ``(loader, dataset)``.
 
     ``local_rank`` >= 0 (a process of a multi-GPU run, process group joined): ``batch_size`` images per
     process from upstream's ``DistributedSampler`` shard, rank r reading images r, r + W, r + 2W, ...
-    (``shuffle``: of one permutation shared by the ranks, drawn anew after ``loader.sampler.set_epoch``)."""
+    (``shuffle``: of one permutation shared by the ranks, drawn anew after ``loader.sampler.set_epoch``).
+    ``masks``: upstream's segmentation dataloader, whose batches add one mask per instance at input
+    resolution (as upstream ``segment/val.py`` evaluates)."""
+    kwargs = dict(single_cls=False, hyp=hyp, augment=hyp is not None, pad=0.5 if rect else 0.0, rect=rect,
+                  workers=min(workers, os.cpu_count() or 1), shuffle=shuffle, prefix=prefix or f"{split}: ",
+                  rank=local_rank)
+    if masks:
+        from utils.segment.dataloaders import create_dataloader as create_seg_dataloader
+        return create_seg_dataloader(data[split], imgsz, batch_size, stride, mask_downsample_ratio=1,
+                                     overlap_mask=False, **kwargs)
     from utils.dataloaders import create_dataloader
-    return create_dataloader(data[split], imgsz, batch_size, stride, single_cls=False, hyp=hyp,
-                             augment=hyp is not None, pad=0.5 if rect else 0.0, rect=rect,
-                             workers=min(workers, os.cpu_count() or 1), shuffle=shuffle,
-                             prefix=prefix or f"{split}: ", rank=local_rank)
-
-
-def seg_dataloader(data: dict, split: str, imgsz: int, batch_size: int, stride: int, *, workers: int = 8,
-                   rect: bool = True, shuffle: bool = False, hyp: dict | None = None, prefix: str = ""):
-    """Upstream's segmentation dataloader (images, targets, paths, shapes, masks): one mask per instance
-    at input resolution, as upstream ``segment/val.py`` evaluates. Returns ``(loader, dataset)``."""
-    from utils.segment.dataloaders import create_dataloader
-    return create_dataloader(data[split], imgsz, batch_size, stride, single_cls=False, hyp=hyp,
-                             augment=hyp is not None, pad=0.5 if rect else 0.0, rect=rect,
-                             workers=min(workers, os.cpu_count() or 1), shuffle=shuffle,
-                             prefix=prefix or f"{split}: ", mask_downsample_ratio=1, overlap_mask=False)
+    return create_dataloader(data[split], imgsz, batch_size, stride, **kwargs)
 
 
 def check_polygons(data: dict, splits: tuple[str, ...] = ("val",)) -> None:
@@ -148,9 +143,7 @@ def load_hyp(path: str | os.PathLike | None) -> dict | None:
     return hyp
 
 
-def images_only(loader, device, limit: int | None = None):
+def images_only(loader, device):
     """Yield float image batches in [0, 1] on ``device`` from an upstream dataloader."""
-    for i, (im, *_rest) in enumerate(loader):
-        if limit is not None and i >= limit:
-            return
+    for im, *_rest in loader:
         yield im.to(device, non_blocking=True).float() / 255

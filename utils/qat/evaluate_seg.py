@@ -13,6 +13,7 @@ pasted back into the image (bilinear, > 0.5) and scored the same way.
 """
 from __future__ import annotations
 
+import functools
 import json
 import time
 from dataclasses import dataclass, field, fields
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from utils.qat.atomic import write_text
-from utils.qat.data import seg_dataloader
+from utils.qat.data import dataloader
 from utils.qat.errors import QATError
 from utils.qat.evaluate import Metrics, end2end_detections, summarize, val_batches
 
@@ -93,8 +94,8 @@ def evaluate_seg(backend, data: dict, *, imgsz: int = 640, batch_size: int = 16,
     iouv = torch.linspace(0.5, 0.95, 10)
     box_stats, mask_stats, jdict, seen = [], [], [], 0
     start = time.time()
-    limit, batches = val_batches(backend, data, seg_dataloader, imgsz=imgsz, batch_size=batch_size, workers=workers,
-                                 num_images=num_images, desc=desc)
+    limit, batches = val_batches(backend, data, functools.partial(dataloader, masks=True), imgsz=imgsz,
+                                 batch_size=batch_size, workers=workers, num_images=num_images, desc=desc)
     for im, targets, paths, shapes, masks in batches:
         height, width = im.shape[2:]
         out = backend(im)
