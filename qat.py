@@ -18,14 +18,18 @@ import os  # noqa: E402
 import shutil  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import TYPE_CHECKING  # noqa: E402
 
 
 from utils.qat import checkpoint, distributed, reports  # noqa: E402
 from utils.qat.backends import TorchBackend  # noqa: E402
-from utils.qat.data import check_imgsz, dataloader, images_only, load_data_yaml, load_hyp  # noqa: E402
+from utils.qat.data import check_imgsz, dataloader, images_only, labelled, load_data_yaml, load_hyp  # noqa: E402
 from utils.qat.device import select_device  # noqa: E402
 from utils.qat.errors import QATError, run_cli  # noqa: E402
 from utils.qat.evaluate import evaluate  # noqa: E402
+
+if TYPE_CHECKING:
+    from models.quantize_finetune import QATConfig
 
 
 
@@ -51,6 +55,37 @@ def _calibration(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=57)
 
 
+def _finetuning(p: argparse.ArgumentParser) -> None:
+    from models.qat_objectives import OBJECTIVES
+    from models.quantize_finetune import OPTIMIZERS, QATConfig
+    d = QATConfig()
+    p.add_argument("--epochs", type=int, default=d.epochs, help="QAT epochs")
+    p.add_argument("--iters", type=int, default=d.iters,
+                   help="QAT optimisation steps per epoch (a smaller training set is read again)")
+    p.add_argument("--qat-loss", choices=OBJECTIVES, default=d.objective,
+                   help="what fine-tuning minimises: head = distillation on the head's raw box/class outputs, "
+                        "features = normalised block outputs, task = upstream's loss from the labels, "
+                        "mse = this project's first recipe; combine with + (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=d.lr, help="peak QAT learning rate (default: %(default)s)")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default=d.optimizer, help="default: %(default)s")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="on conv weights (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=d.warmup,
+                   help="linear warm-up steps before the cosine decay (default: %(default)s)")
+    p.add_argument("--ema", type=float, default=d.ema,
+                   help="decay of the moving average of the weights that is evaluated and saved; 0 = off "
+                        "(default: %(default)s)")
+    p.add_argument("--supervision-stride", type=int, default=d.supervision_stride,
+                   help="--qat-loss features/mse: distil every N-th block output")
+
+
+def qat_config(args) -> QATConfig:
+    """The fine-tuning settings of a ``quantize`` command line."""
+    from models.quantize_finetune import QATConfig
+    return QATConfig(epochs=args.epochs, iters=args.iters, lr=args.lr, objective=args.qat_loss,
+                     optimizer=args.optimizer, weight_decay=args.weight_decay, warmup=args.warmup,
+                     ema=args.ema, supervision_stride=args.supervision_stride)
+
+
 SCRIPTS = {"detect": "qat.py", "segment": "segment/qat_seg.py"}
 
 
@@ -65,10 +100,7 @@ def get_args_parser(task: str = "detect", prog: str = "qat.py", description: str
     q = sub.add_parser("quantize", help="PTQ calibration, then QAT fine-tuning; evaluates and saves each stage")
     _common(q, runs)
     _calibration(q)
-    q.add_argument("--iters", type=int, default=200, help="QAT batches per epoch")
-    q.add_argument("--epochs", type=int, default=10, help="QAT epochs")
-    q.add_argument("--lr", type=float, default=1e-5, help="QAT learning rate (Adam, cosine decay)")
-    q.add_argument("--supervision-stride", type=int, default=1, help="distil every N-th layer's output (plus the last)")
+    _finetuning(q)
     q.add_argument("--skip-layers", default="", help="keep in FP: layer indices and/or module patterns, comma separated")
     q.add_argument("--no-eval-origin", action="store_true", help="do not evaluate the FP model")
     q.add_argument("--no-eval-ptq", action="store_true", help="do not evaluate the calibrated (PTQ) model")
@@ -191,7 +223,9 @@ def cmd_quantize(args) -> Path | None:
 def _quantize(args, device, launch) -> Path | None:
     """PTQ, then QAT. Rank 0 (or the single process) evaluates, writes every file and prints; the other
     ranks calibrate and train on their shards, and wait at barriers while rank 0 evaluates."""
-    from models.quantize import finetune, fuse
+    from models.qat_objectives import needs_labels
+    from models.quantize import fuse
+    from models.quantize_finetune import finetune
     from utils.general import init_seeds
     world, local_rank = (launch.world_size, launch.local_rank) if launch else (1, -1)
     fp = checkpoint.load_fp(args.weights, task=args.task)
@@ -211,11 +245,14 @@ def _quantize(args, device, launch) -> Path | None:
         run.ptq(qmodel, info, calibration_seconds=time.time() - start)
 
     if not args.ptq_only:
+        config = qat_config(args)
+        labels = needs_labels(config.objective)
         loader, _ = dataloader(data, "train", args.imgsz, args.batch_size // world, stride, workers=args.workers,
-                               rect=False, shuffle=True, hyp=hyp, prefix="QAT: ", local_rank=local_rank)
+                               rect=False, shuffle=True, hyp=hyp, prefix="QAT: ", local_rank=local_rank,
+                               masks=labels and args.task == "segment")
         teacher = fuse(copy.deepcopy(fp))
-        finetune(qmodel, teacher, lambda: images_only(loader, device), epochs=args.epochs, iters=args.iters,
-                 lr=args.lr, supervision_stride=args.supervision_stride, device=device,
+        finetune(qmodel, teacher, lambda: (labelled if labels else images_only)(loader, device), config,
+                 device=device, hyp=hyp,
                  on_epoch_start=loader.sampler.set_epoch if launch else None,
                  on_epoch_end=functools.partial(run.epoch_end, qmodel, info) if run else None)
     return run.finish(qat=not args.ptq_only) if run else None
@@ -270,8 +307,8 @@ class _Run:
         path = self.wdir / f"qat_ep_{epoch}_ap_{m.mAP50_95:.4f}_{self.stem}.pt"
         row = reports.entry(f"QAT epoch {epoch}", path, m, sec)
         checkpoint.save_quantized(path, qmodel, info, epoch=epoch, metrics=row, task=self.args.task)
-        self.epochs.append({"epoch": epoch, **_epoch_record(m), "loss": result.loss,
-                            "train_seconds": round(result.seconds, 1), "weights": str(path)})
+        self.epochs.append({"epoch": epoch, **_epoch_record(m), "loss": result.loss, "loss_terms": result.terms,
+                            "steps": result.steps, "train_seconds": round(result.seconds, 1), "weights": str(path)})
         if self.best_ap is None or m.mAP50_95 > self.best_ap:
             self.best_ap, self.best_epoch, self.best_row = m.mAP50_95, epoch, row
             _copy_atomic(path, self.best_path)

@@ -16,6 +16,7 @@ import copy
 import json
 import os
 import platform
+import shlex
 import sys
 import time
 from contextlib import contextmanager
@@ -51,9 +52,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", default=",".join(CALIB_METHODS), help="calibration methods for the PTQ table")
     p.add_argument("--calib-method", default=DEFAULT_CALIB_METHOD, help="method used for QAT")
     p.add_argument("--calib-batches", type=int, default=25)
-    p.add_argument("--epochs", type=int, default=10)
-    p.add_argument("--iters", type=int, default=200)
-    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--qat-args", default="", help="more qat.py quantize flags for the QAT stages, e.g. '--lr 1e-5 "
+                   "--qat-loss mse' (default: qat.py's own defaults)")
     p.add_argument("--num-image", type=int, default=None, help="images for the sensitivity analysis")
     p.add_argument("--onnx-device", default="cpu", help="ONNX Runtime device (cpu or cuda:0)")
     p.add_argument("--stages", default=",".join(STAGES))
@@ -166,10 +166,9 @@ def render(results: dict, title: str) -> str:
 
 def qat_cli(args, *extra: str):
     argv = ["quantize", "--weights", args.weights, "--data", args.data, "--imgsz", str(args.imgsz),
-            "--batch-size", str(args.batch_size), "--workers", str(args.workers), "--epochs", str(args.epochs),
-            "--iters", str(args.iters), "--lr", str(args.lr), "--calib-method", args.calib_method,
+            "--batch-size", str(args.batch_size), "--workers", str(args.workers), "--calib-method", args.calib_method,
             "--calib-batches", str(args.calib_batches), "--project", str(Path(args.out) / "runs"), "--exist-ok",
-            "--no-eval-origin"]
+            "--no-eval-origin", *shlex.split(args.qat_args)]
     if args.device:
         argv += ["--device", args.device]
     return qat.main(qat.get_args_parser().parse_args(argv + list(extra)))
@@ -203,7 +202,7 @@ def main(args) -> None:
             torch.cuda.empty_cache() if torch.cuda.is_available() else None
 
     def qat_run(name: str, *extra: str):
-        with bench.timed(f"QAT {name} (calibration, {args.epochs} epochs, evaluations)"):
+        with bench.timed(f"QAT {name} (calibration, fine-tuning, evaluations)"):
             run = qat_cli(args, "--name", name, *extra)
         report = json.loads((run / "report.json").read_text())
         for r in report["models"]:

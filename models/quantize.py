@@ -1,21 +1,19 @@
-"""The quantization engine: fuse, insert Q/DQ, calibrate, tie shared scales, fine-tune (QAT).
+"""The quantization engine: fuse, insert Q/DQ, calibrate, tie shared scales.
 
 Public surface::
 
     qmodel = prepare(fp_model, method="mse", skip=["22"])      # fused copy with Q/DQ placed
-    calibrate(qmodel, batches, method="mse")                  # amax for every enabled quantizer
-    finetune(qmodel, teacher, batches, epochs=..., ...)       # layer-wise distillation
+    calibrate(qmodel, batches, info)                          # amax for every enabled quantizer
+
+Fine-tuning (QAT) lives in ``models/quantize_finetune.py``, its objectives in ``models/qat_objectives.py``.
 
 The rules of where Q/DQ go and which scales are shared live in ``models/quantize_rules.py``.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
-import math
-import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
+from typing import Iterable, Sequence
 
 import torch
 import torch.nn as nn
@@ -27,6 +25,7 @@ from modelopt.torch.quantization.nn import TensorQuantizer
 from models import quantize_rules as rules
 from models.quantize_defaults import CALIB_METHODS, DEFAULT_CALIB_METHOD, DEFAULT_PERCENTILE
 from models.quantize_dist import amax_vector, seed_histograms, sync_calibration
+from models.quantize_qdq import use_qdq_rounding
 from utils.qat import distributed
 from utils.qat.errors import QATError
 from utils.qat.progress import progress
@@ -83,7 +82,7 @@ def prepare(model: nn.Module, method: str = DEFAULT_CALIB_METHOD, skip: Sequence
             if entry["quantizer_name"] == "*input_quantizer":
                 entry["cfg"]["calibrator"] = "histogram"
     rules.register_yolov9_modules()
-    model = mtq.quantize(model, config, forward_loop=None).eval()
+    model = use_qdq_rounding(mtq.quantize(model, config, forward_loop=None)).eval()
     return model, QuantInfo(calib_method=method, skip=[str(s) for s in skip], fp_patterns=patterns)
 
 
@@ -177,129 +176,3 @@ def mse_amax(hist, edges, num_bits: int = 8, unsigned: bool = False, start_bin: 
         if float(err[i]) < best_err:
             best, best_err = chunk[i], float(err[i])
     return best.float()
-
-
-# ---- QAT: layer-wise distillation against the frozen FP model ---------------------------------
-
-def supervised_layers(model: nn.Module, stride: int) -> list[int]:
-    """Indices of ``model.model`` whose outputs are matched: every ``stride``-th block plus the last."""
-    n = len(model.model)
-    stride = max(1, int(stride))
-    return sorted(set(range(0, n, stride)) | {n - 1})
-
-
-class _Taps:
-    """Captures the outputs of chosen layers during a forward pass."""
-
-    def __init__(self, model: nn.Module, indices: Sequence[int]):
-        self.outputs: dict[int, list[torch.Tensor]] = {}
-        self.hooks = [model.model[i].register_forward_hook(self._hook(i)) for i in indices]
-
-    def _hook(self, i):
-        def hook(module, args, output):
-            self.outputs[i] = rules._tensors(output)
-        return hook
-
-    def close(self):
-        for h in self.hooks:
-            h.remove()
-
-
-@dataclass
-class EpochResult:
-    epoch: int
-    loss: float
-    seconds: float
-
-
-def finetune(model: nn.Module, teacher: nn.Module, batches: Callable[[], Iterable[torch.Tensor]], *,
-             epochs: int = 10, iters: int = 200, lr: float = 1e-5, supervision_stride: int = 1,
-             device: torch.device | str = "cpu", amp: bool | None = None,
-             on_epoch_start: Callable[[int], None] | None = None,
-             on_epoch_end: Callable[[EpochResult], None] | None = None) -> list[EpochResult]:
-    """Fine-tune the fake-quantized ``model`` so its supervised layer outputs match ``teacher``'s (MSE).
-
-    ``batches()`` returns a fresh iterable of image tensors per epoch; at most ``iters`` are used per
-    epoch. Adam with a cosine schedule from ``lr`` down to ``lr / 100``; AMP on CUDA by default.
-    ``on_epoch_start(epoch)`` runs before every epoch (e.g. a sampler's ``set_epoch``), ``on_epoch_end``
-    after every epoch (evaluate, save).
-
-    In a multi-GPU run (process group joined) every rank calls this with its own shard of each global batch
-    (the same number of batches on every rank) and its own copy of the teacher. The student is wrapped in
-    DistributedDataParallel, which averages the ranks' gradients: each rank's loss is a mean over its equal
-    share of the batch, so a step is the one-process step on the global batch. The loss reported is the mean
-    over the ranks; ``on_epoch_end`` runs on rank 0 only while the other ranks wait at a barrier.
-    """
-    device = torch.device(device)
-    amp = device.type == "cuda" if amp is None else amp
-    teacher = teacher.to(device).eval()
-    for p in teacher.parameters():
-        p.requires_grad_(False)
-    model.to(device)
-    indices = supervised_layers(model, supervision_stride)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.Adam(params, lr=lr)
-    total = max(1, epochs * iters)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: 0.01 + 0.99 * 0.5 * (1 + math.cos(math.pi * min(step, total) / total)))
-    scaler = torch.amp.GradScaler(device.type, enabled=amp)
-    autocast = (lambda: torch.autocast(device.type, dtype=torch.float16)) if amp else contextlib.nullcontext
-    student = _distributed(model, device)
-    results = []
-    student_taps, teacher_taps = _Taps(model, indices), _Taps(teacher, indices)
-    try:
-        for epoch in range(epochs):
-            if on_epoch_start is not None:
-                on_epoch_start(epoch)
-            model.eval()  # BN is folded; eval keeps the head's output layout equal to the teacher's
-            start, running, steps = time.time(), 0.0, 0
-            bar = progress(batches(), total=iters, desc=f"QAT epoch {epoch + 1}/{epochs}")
-            for images in bar:
-                images = images.to(device, non_blocking=True)
-                with torch.no_grad(), autocast():
-                    teacher(images)
-                with autocast():
-                    student(images)
-                    loss = sum(torch.nn.functional.mse_loss(s.float(), t.float())
-                               for i in indices
-                               for s, t in zip(student_taps.outputs[i], teacher_taps.outputs[i]))
-                optimizer.zero_grad(set_to_none=True)
-                scaler.scale(loss).backward()
-                scaler.step(optimizer)
-                scaler.update()
-                schedule.step()
-                running += float(loss.detach())
-                steps += 1
-                bar.set_postfix(loss=f"{running / steps:.5f}")
-                if steps >= iters:
-                    break
-            result = EpochResult(epoch, distributed.all_reduce_mean(running / max(steps, 1)), time.time() - start)
-            results.append(result)
-            if on_epoch_end is not None and distributed.is_main():
-                on_epoch_end(result)
-            distributed.barrier()
-    finally:
-        student_taps.close()
-        teacher_taps.close()
-    model.eval()
-    return results
-
-
-def _distributed(model: nn.Module, device: torch.device) -> nn.Module:
-    """``model`` wrapped in DistributedDataParallel in a multi-GPU run, else ``model`` itself.
-
-    Hooks stay on ``model``'s layers (DDP calls its forward). Buffers are not re-broadcast every step: the
-    only ones are the quantizers' amax (fixed during QAT, identical on every rank after calibration) and
-    the head's anchors and strides. Every trainable parameter reaches the loss (the last layer is always
-    supervised and every block of a YOLOv9 model feeds it), so DDP needs no unused-parameter search.
-    """
-    if not distributed.active():
-        return model
-    import inspect
-
-    from torch.nn.parallel import DistributedDataParallel
-    # torch >= 2.14 names it forward_sync_buffers (buffers still synced once, at construction)
-    no_sync = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
-               else "broadcast_buffers")
-    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                   **{no_sync: False})

@@ -112,7 +112,10 @@ TWINS = {common.Concat: QuantConcat, common.RepNBottleneck: QuantRepNBottleneck,
 
 
 def register_yolov9_modules() -> None:
-    """Register the quantized twins with modelopt (idempotent; needed before quantize and restore)."""
+    """Register the quantized twins and the QuantizeLinear-exact rounding with modelopt (idempotent;
+    needed before quantize and restore)."""
+    from models import quantize_qdq
+    quantize_qdq.register()
     for original, twin in TWINS.items():
         if QuantModuleRegistry.get(original) is None:
             mtq.register(original_cls=original, quantized_cls=twin)

@@ -23,7 +23,8 @@ def _amax(model) -> dict[str, torch.Tensor]:
 def results(rank: int = 0, world: int = 1) -> dict:
     """amax after calibrating (max and mse) on this rank's share of every global batch, then the state dict
     before and after two epochs of fine-tuning the max-calibrated model the same way, and the losses."""
-    from models.quantize import calibrate, finetune, fuse, prepare
+    from models.quantize import calibrate, fuse, prepare
+    from models.quantize_finetune import QATConfig, finetune
     from utils.qat import checkpoint
     images = torch.rand(STEPS, GLOBAL_BATCH, 3, IMGSZ, IMGSZ, generator=torch.Generator().manual_seed(0))
     shards = [b[rank::world] for b in images]
@@ -34,7 +35,8 @@ def results(rank: int = 0, world: int = 1) -> dict:
         calibrate(student, shards, info, example=images[0][:1])
         out[f"{method}_amax"] = _amax(student)
     start = {k: v.detach().clone() for k, v in student.state_dict().items()}
-    epochs = finetune(student, fuse(fp), lambda: shards, epochs=2, iters=STEPS, lr=LR, supervision_stride=2, amp=False)
+    epochs = finetune(student, fuse(fp), lambda: shards, QATConfig(epochs=2, iters=STEPS, lr=LR, warmup=0, supervision_stride=2),
+                      amp=False)
     return {**out, "start": start, "state": {k: v.detach().clone() for k, v in student.state_dict().items()},
             "losses": [e.loss for e in epochs]}
 

@@ -216,7 +216,8 @@ def test_onnx_scales_shared_and_ort_matches(gelan_c_q, val_images, tmp_path):
 
 
 def test_finetune_updates_every_trainable_parameter(gelan_c_fp, gelan_c_q, calib_images):
-    from models.quantize import finetune, fuse
+    from models.quantize import fuse
+    from models.quantize_finetune import QATConfig, finetune
     qmodel, _ = gelan_c_q
     student = copy.deepcopy(qmodel)
     teacher = fuse(copy.deepcopy(gelan_c_fp))
@@ -224,7 +225,7 @@ def test_finetune_updates_every_trainable_parameter(gelan_c_fp, gelan_c_q, calib
     frozen = [n for n, p in student.named_parameters() if not p.requires_grad]
     assert frozen == ["model.22.dfl.conv.weight"]
     small = torch.nn.functional.interpolate(calib_images[:1], size=64)
-    results = finetune(student, teacher, lambda: [small], epochs=1, iters=1, lr=1e-3)
+    results = finetune(student, teacher, lambda: [small], QATConfig(epochs=1, iters=1, lr=1e-3))
     assert len(results) == 1 and results[0].loss > 0
     unchanged = [n for n, p in student.named_parameters() if n in before and torch.equal(p, before[n])]
     assert not unchanged, f"no gradient reached: {unchanged[:5]}"

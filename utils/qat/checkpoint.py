@@ -137,6 +137,7 @@ def load_quantized(path: str | os.PathLike, task: str = "detect", ckpt: dict | N
 
     from models import quantize_rules as rules
     from models.quantize import QuantInfo
+    from models.quantize_qdq import use_qdq_rounding
     ckpt = read(path) if ckpt is None else ckpt
     if not is_quantized(ckpt):
         raise QATError(f"{path} is a floating-point checkpoint, not a quantized one; run `qat.py quantize` "
@@ -144,7 +145,7 @@ def load_quantized(path: str | os.PathLike, task: str = "detect", ckpt: dict | N
     check_task(ckpt, path, task)
     model = rebuild(ckpt)
     rules.register_yolov9_modules()
-    model = mto.restore_from_modelopt_state(model, ckpt["modelopt_state"])
+    model = use_qdq_rounding(mto.restore_from_modelopt_state(model, ckpt["modelopt_state"]))
     model.load_state_dict(ckpt["state_dict"])
     model.names = dict(ckpt["names"])
     model.stride = torch.tensor(ckpt["stride"], dtype=torch.float32)

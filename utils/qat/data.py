@@ -147,3 +147,11 @@ def images_only(loader, device):
     """Yield float image batches in [0, 1] on ``device`` from an upstream dataloader."""
     for im, *_rest in loader:
         yield im.to(device, non_blocking=True).float() / 255
+
+
+def labelled(loader, device):
+    """Yield ``(images, targets, masks)`` from an upstream dataloader: images as float in [0, 1] on
+    ``device``; targets (image index, class, x, y, w, h; normalised) and, from the segmentation loader,
+    the instance masks (else None), as the loss functions of upstream's train.py take them."""
+    for im, targets, _paths, _shapes, *masks in loader:
+        yield im.to(device, non_blocking=True).float() / 255, targets, masks[0] if masks else None

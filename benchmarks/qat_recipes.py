@@ -1,0 +1,141 @@
+"""QAT recipes side by side: one calibration, then each recipe fine-tunes its own copy of the PTQ model
+and is evaluated after every epoch. This is how the default fine-tuning recipe was chosen; the table it
+prints (and results.md) keeps the attempts that did not help beside the ones that did.
+
+Run from the top of a patched YOLOv9 tree:
+
+    python3 /path/to/yolov9-qat/benchmarks/qat_recipes.py --weights gelan-c.pt --data data/coco.yaml \\
+        --out runs/recipes/gelan-c --recipes 'mse:lr=1e-5,optimizer=adam,warmup=0' 'head' 'head:lr=3e-5'
+
+A recipe is ``OBJECTIVE[:key=value,...]`` with keys of ``QATConfig`` (lr, optimizer, weight_decay, warmup,
+final_lr_ratio, supervision_stride; epochs and iters come from --epochs / --iters unless given).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.getcwd())
+from utils.qat import compat  # noqa: E402
+
+compat.apply()
+
+import torch  # noqa: E402
+
+from models.qat_objectives import needs_labels  # noqa: E402
+from models.quantize import calibrate, fuse, prepare  # noqa: E402
+from models.quantize_finetune import QATConfig, finetune  # noqa: E402
+from utils.qat import checkpoint  # noqa: E402
+from utils.qat.atomic import write_text  # noqa: E402
+from utils.qat.backends import TorchBackend  # noqa: E402
+from utils.qat.data import dataloader, images_only, labelled, load_data_yaml, load_hyp  # noqa: E402
+from utils.qat.device import select_device  # noqa: E402
+from utils.qat.errors import QATError  # noqa: E402
+from utils.qat.evaluate import evaluate  # noqa: E402
+
+
+def parse_recipe(text: str, epochs: int, iters: int) -> QATConfig:
+    objective, _, rest = text.partition(":")
+    fields = {f.name: f.type for f in dataclasses.fields(QATConfig)}
+    values: dict = {"objective": objective, "epochs": epochs, "iters": iters}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        if key not in fields:
+            raise QATError(f"recipe '{text}': unknown setting '{key}'; use one of {', '.join(fields)}.")
+        values[key] = value if key in ("objective", "optimizer") else (int(value) if fields[key] == "int" else float(value))
+    return QATConfig(**values)
+
+
+def get_args_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--weights", required=True)
+    p.add_argument("--data", required=True)
+    p.add_argument("--imgsz", type=int, default=640)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--device", default="")
+    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--calib-method", default="mse")
+    p.add_argument("--calib-batches", type=int, default=25)
+    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--iters", type=int, default=100)
+    p.add_argument("--hyp", default=None, help="augmentation during fine-tuning (upstream hyp yaml)")
+    p.add_argument("--recipes", nargs="+", required=True)
+    p.add_argument("--seed", type=int, default=57)
+    p.add_argument("--out", required=True)
+    return p
+
+
+def render(results: dict) -> str:
+    origin, ptq = results.get("origin"), results.get("ptq")
+    lines = [f"# QAT recipes: {results['weights']}", "",
+             f"Origin {origin:.4f}, PTQ ({results['calib_method']}) {ptq:.4f}; {results['machine']}", "",
+             "| recipe | best AP | vs PTQ | vs Origin | best epoch | AP per epoch | loss first -> last | s / epoch |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in results["recipes"]:
+        aps = [e["AP"] for e in r["epochs"]]
+        best = max(aps) if aps else float("nan")
+        lines.append(f"| `{r['recipe']}` | {best:.4f} | {best - ptq:+.4f} | {best - origin:+.4f} | "
+                     f"{aps.index(best) + 1 if aps else '-'} | {' '.join(f'{a:.4f}' for a in aps)} | "
+                     f"{r['epochs'][0]['loss']:.4g} -> {r['epochs'][-1]['loss']:.4g} | "
+                     f"{sum(e['seconds'] for e in r['epochs']) / max(len(aps), 1):.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(args) -> dict:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    recipes = [(text, parse_recipe(text, args.epochs, args.iters)) for text in args.recipes]
+    device = select_device(args.device)
+    data = load_data_yaml(args.data, splits=("train", "val"))
+    hyp = load_hyp(args.hyp)
+    fp = checkpoint.load_fp(args.weights)
+    stride = int(fp.stride.max())
+    common = dict(imgsz=args.imgsz, batch_size=args.batch_size, workers=args.workers)
+    results: dict = {"weights": Path(args.weights).name, "calib_method": args.calib_method, "recipes": [],
+                     "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"}
+    save = lambda: (write_text(out / "results.json", json.dumps(results, indent=2)),  # noqa: E731
+                    write_text(out / "results.md", render(results)))
+    results["origin"] = evaluate(TorchBackend(fuse(copy.deepcopy(fp)), device), data, desc="Origin", **common).mAP50_95
+    qmodel, info = prepare(fp, method=args.calib_method)
+    qmodel.to(device)
+    loader, _ = dataloader(data, "train", args.imgsz, args.batch_size, stride, workers=args.workers, rect=False,
+                           prefix="calibration: ")
+    calibrate(qmodel, images_only(loader, device), info, num_batches=min(args.calib_batches, len(loader)))
+    qmodel.names = fp.names
+    results["ptq"] = evaluate(TorchBackend(qmodel, device), data, desc="PTQ", **common).mAP50_95
+    save()
+    teacher = fuse(copy.deepcopy(fp))
+    for text, config in recipes:
+        torch.manual_seed(args.seed)
+        student = copy.deepcopy(qmodel)
+        labels = needs_labels(config.objective)
+        train, _ = dataloader(data, "train", args.imgsz, args.batch_size, stride, workers=args.workers, rect=False,
+                              shuffle=True, hyp=hyp, prefix="QAT: ")
+        record: dict = {"recipe": text, "config": dataclasses.asdict(config), "epochs": []}
+        results["recipes"].append(record)
+
+        def epoch_end(result, student=student, record=record):
+            m = evaluate(TorchBackend(student, device), data, desc=f"{text} epoch {result.epoch + 1}", **common)
+            record["epochs"].append({"epoch": result.epoch + 1, "AP": round(m.mAP50_95, 4), "AP50": round(m.mAP50, 4),
+                                     "loss": result.loss, "terms": result.terms, "seconds": round(result.seconds, 1)})
+            save()
+
+        start = time.time()
+        finetune(student, teacher, lambda: (labelled if labels else images_only)(train, device), config,
+                 device=device, hyp=hyp, on_epoch_end=epoch_end)
+        record["seconds"] = round(time.time() - start, 1)
+        save()
+        del student
+        torch.cuda.empty_cache() if device.type == "cuda" else None
+    print(render(results))
+    return results
+
+
+if __name__ == "__main__":
+    main(get_args_parser().parse_args())

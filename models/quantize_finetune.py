@@ -1,0 +1,288 @@
+"""QAT: fine-tune a calibrated (fake-quantized) model against its frozen FP teacher.
+
+    results = finetune(qmodel, teacher, batches, QATConfig(epochs=10, iters=200), device="cuda:0")
+
+``batches()`` returns a fresh iterable per epoch of image tensors (float, [0, 1], on any device) or of
+``(images, targets[, masks])`` tuples from upstream's dataloader (the ``task`` objective needs the labels).
+What is minimised is ``QATConfig.objective`` (``models/qat_objectives.py``). Every epoch makes exactly
+``iters`` optimisation steps: a training set with fewer batches is read again (and the log says so).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator, Sequence
+
+import torch
+import torch.nn as nn
+
+from models import qat_objectives as objectives
+from utils.qat import distributed
+from utils.qat.errors import QATError
+from utils.qat.progress import progress
+
+OPTIMIZERS = ("adamw", "adam", "sgd")
+
+
+@dataclass
+class QATConfig:
+    """How fine-tuning runs. The defaults are the recipe measured best by ``benchmarks/qat_recipes.py``."""
+    epochs: int = 3
+    iters: int = 100  # optimisation steps per epoch
+    lr: float = 3e-5
+    objective: str = objectives.DEFAULT_OBJECTIVE
+    optimizer: str = "adamw"
+    weight_decay: float = 0.0  # on conv weights only (not biases)
+    warmup: int = 50  # steps of linear warm-up from 0 to lr; then cosine decay to lr * final_lr_ratio
+    final_lr_ratio: float = 0.01
+    supervision_stride: int = 1  # ``features`` / ``mse``: every N-th block output (plus the last)
+    ema: float = 0.99  # decay of an exponential moving average of the weights (0: off); evaluated and kept
+
+
+@dataclass
+class EpochResult:
+    epoch: int
+    loss: float
+    seconds: float
+    terms: dict[str, float] = field(default_factory=dict)  # each objective term, mean over the epoch
+    steps: int = 0
+
+
+def supervised_layers(model: nn.Module, stride: int) -> list[int]:
+    """Indices of ``model.model`` whose outputs are matched: every ``stride``-th block plus the last."""
+    n = len(model.model)
+    stride = max(1, int(stride))
+    return sorted(set(range(0, n, stride)) | {n - 1})
+
+
+class _Taps:
+    """Captures the outputs of chosen layers during a forward pass."""
+
+    def __init__(self, model: nn.Module, indices: Sequence[int]):
+        from models.quantize_rules import _tensors
+        self.outputs: dict[int, list[torch.Tensor]] = {}
+        self._tensors = _tensors
+        self.hooks = [model.model[i].register_forward_hook(self._hook(i)) for i in indices]
+
+    def _hook(self, i):
+        def hook(module, args, output):
+            self.outputs[i] = self._tensors(output)
+        return hook
+
+    def close(self):
+        for h in self.hooks:
+            h.remove()
+
+
+def _unpack(batch, device) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True), None, None
+    images, targets, *rest = batch
+    masks = rest[0] if rest else None
+    return (images.to(device, non_blocking=True), targets.to(device) if targets is not None else None,
+            masks.to(device) if masks is not None else None)
+
+
+def _steps(batches: Callable[[], Iterable], iters: int, announce: bool) -> Iterator:
+    """Exactly ``iters`` batches, reading ``batches()`` again whenever it runs out."""
+    done = 0
+    while True:
+        got = 0
+        for batch in batches():
+            yield batch
+            got += 1
+            done += 1
+            if done >= iters:
+                return
+        if got == 0:
+            raise QATError("the QAT training set gave no batches; check the 'train' entry of the dataset yaml.")
+        if announce and done == got and distributed.is_main():
+            print(f"QAT: the training set gives {got} batches an epoch; reading it again to make "
+                  f"{iters} steps (--iters) per epoch", flush=True)
+
+
+def _optimizer(params: list[nn.Parameter], config: QATConfig) -> torch.optim.Optimizer:
+    if config.optimizer not in OPTIMIZERS:
+        raise QATError(f"--optimizer {config.optimizer} is not supported; choose one of {', '.join(OPTIMIZERS)}.")
+    decay = [p for p in params if p.dim() > 1]
+    no_decay = [p for p in params if p.dim() <= 1]
+    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=config.lr, momentum=0.9, nesterov=True)
+    cls = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.Adam
+    return cls(groups, lr=config.lr)
+
+
+def lr_factor(step: int, total: int, warmup: int, final_ratio: float) -> float:
+    """Linear warm-up over ``warmup`` steps, then cosine decay from 1 to ``final_ratio`` at ``total``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    span = max(1, total - warmup)
+    progress_ = min(step - warmup, span) / span
+    return final_ratio + (1 - final_ratio) * 0.5 * (1 + math.cos(math.pi * progress_))
+
+
+def finetune(model: nn.Module, teacher: nn.Module, batches: Callable[[], Iterable], config: QATConfig | None = None, *,
+             device: torch.device | str = "cpu", amp: bool | None = None, hyp: dict | None = None,
+             on_epoch_start: Callable[[int], None] | None = None,
+             on_epoch_end: Callable[[EpochResult], None] | None = None) -> list[EpochResult]:
+    """Fine-tune the fake-quantized ``model`` towards ``teacher`` (and/or the labels) per ``config``.
+
+    Optimiser over every trainable parameter (quantizer amax stays fixed: modelopt learns scales only for
+    NVFP4 weights), linear warm-up then cosine decay, AMP on CUDA by default. ``hyp``: upstream hyp yaml
+    values for the ``task`` objective's loss gains. ``on_epoch_start(epoch)`` runs before every epoch (e.g. a
+    sampler's ``set_epoch``), ``on_epoch_end`` after every epoch (evaluate, save).
+
+    In a multi-GPU run (process group joined) every rank calls this with its own shard of each global batch
+    and its own copy of the teacher. The student is wrapped in DistributedDataParallel, which averages the
+    ranks' gradients: each rank's loss is a mean over its equal share of the batch, so a step is the
+    one-process step on the global batch. The loss reported is the mean over the ranks; ``on_epoch_end``
+    runs on rank 0 only while the other ranks wait at a barrier.
+    """
+    config = config or QATConfig()
+    terms = objectives.parse(config.objective)
+    device = torch.device(device)
+    amp = device.type == "cuda" if amp is None else amp
+    teacher = teacher.to(device).eval()
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    model.to(device)
+    head = objectives.head_of(model)
+    train_form = "mse" not in terms  # raw head maps (training form); the legacy objective used decoded boxes
+    supervised = supervised_layers(model, config.supervision_stride)
+    tapped = (supervised if "mse" in terms else [i for i in supervised if i != len(model.model) - 1]
+              if "features" in terms else [])
+    task = objectives.task_loss_fn(model, hyp) if "task" in terms else None
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = _optimizer(params, config)
+    total = max(1, config.epochs * config.iters)
+    warmup = min(config.warmup, total // 2)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, total, warmup, config.final_lr_ratio))
+    scaler = torch.amp.GradScaler(device.type, enabled=amp)
+    autocast = (lambda: torch.autocast(device.type, dtype=torch.float16)) if amp else contextlib.nullcontext
+    student = _distributed(model, device, every_parameter_used="features" not in terms or len(terms) > 1)
+    results = []
+    ema = _EMA(model, config.ema) if config.ema > 0 else None
+    student_taps, teacher_taps = _Taps(model, tapped), _Taps(teacher, tapped)
+    try:
+        for epoch in range(config.epochs):
+            if on_epoch_start is not None:
+                on_epoch_start(epoch)
+            model.train(train_form)
+            teacher.train(train_form)
+            start, running, steps = time.time(), 0.0, 0
+            sums: dict[str, float] = {}
+            bar = progress(_steps(batches, config.iters, announce=epoch == 0), total=config.iters,
+                           desc=f"QAT epoch {epoch + 1}/{config.epochs}")
+            for batch in bar:
+                images, targets, masks = _unpack(batch, device)
+                if images.dtype == torch.uint8:
+                    images = images.float() / 255
+                with torch.no_grad(), autocast():
+                    t_out = teacher(images)
+                with autocast():
+                    s_out = student(images)
+                values = {}
+                for term in terms:
+                    if term == "head":
+                        parts = objectives.head_distillation(s_out, t_out, head.reg_max, head.nc)
+                        values.update({f"head.{k}": v for k, v in parts.items()})
+                    elif term == "features":
+                        values[term] = objectives.feature_distillation(student_taps.outputs, teacher_taps.outputs, tapped)
+                    elif term == "mse":
+                        values[term] = objectives.legacy_mse(student_taps.outputs, teacher_taps.outputs, tapped)
+                    else:
+                        if targets is None:
+                            raise QATError("--qat-loss task needs labels: pass batches of (images, targets).")
+                        values[term] = task(s_out, targets, masks)
+                loss = sum(values.values())
+                optimizer.zero_grad(set_to_none=True)
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+                schedule.step()
+                if ema is not None:
+                    ema.update(model)
+                running += float(loss.detach())
+                for k, v in values.items():
+                    sums[k] = sums.get(k, 0.0) + float(v.detach())
+                steps += 1
+                bar.set_postfix(loss=f"{running / steps:.5f}")
+            means = {k: round(distributed.all_reduce_mean(v / max(steps, 1)), 6) for k, v in sums.items()}
+            result = EpochResult(epoch, distributed.all_reduce_mean(running / max(steps, 1)), time.time() - start,
+                                 terms=means, steps=steps)
+            results.append(result)
+            model.eval()
+            teacher.eval()
+            with ema.applied(model) if ema is not None else contextlib.nullcontext():
+                if on_epoch_end is not None and distributed.is_main():
+                    on_epoch_end(result)
+                distributed.barrier()
+    finally:
+        student_taps.close()
+        teacher_taps.close()
+        model.eval()
+        teacher.eval()
+    if ema is not None:
+        ema.copy_to(model)  # the model handed back is the averaged one, as evaluated
+    return results
+
+
+class _EMA:
+    """Exponential moving average of the trainable parameters (upstream's ModelEMA idea, for fine-tuning):
+    the decay ramps up as ``min(decay, (1 + n) / (10 + n))`` after n updates. Quantizer amax and other
+    buffers are not averaged (they do not change during QAT)."""
+
+    def __init__(self, model: nn.Module, decay: float):
+        self.decay, self.updates = decay, 0
+        self.params = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    @torch.no_grad()
+    def update(self, model: nn.Module) -> None:
+        self.updates += 1
+        d = min(self.decay, (1 + self.updates) / (10 + self.updates))
+        for n, p in model.named_parameters():
+            if n in self.params:
+                self.params[n].mul_(d).add_(p.detach(), alpha=1 - d)
+
+    @torch.no_grad()
+    def copy_to(self, model: nn.Module) -> None:
+        for n, p in model.named_parameters():
+            if n in self.params:
+                p.copy_(self.params[n])
+
+    @contextlib.contextmanager
+    def applied(self, model: nn.Module):
+        """The averaged parameters in ``model`` inside the block (evaluate, save), the trained ones after."""
+        trained = {n: p.detach().clone() for n, p in model.named_parameters() if n in self.params}
+        self.copy_to(model)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    if n in trained:
+                        p.copy_(trained[n])
+
+
+def _distributed(model: nn.Module, device: torch.device, every_parameter_used: bool = True) -> nn.Module:
+    """``model`` wrapped in DistributedDataParallel in a multi-GPU run, else ``model`` itself.
+
+    Hooks stay on ``model``'s layers (DDP calls its forward). Buffers are not re-broadcast every step: the
+    only ones are the quantizers' amax (fixed during QAT, identical on every rank after calibration) and
+    the head's anchors and strides. With an objective on the head every trainable parameter reaches the
+    loss, so DDP needs no unused-parameter search; ``features`` alone leaves the head's convs out of it.
+    """
+    if not distributed.active():
+        return model
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+    # torch >= 2.14 names it forward_sync_buffers (buffers still synced once, at construction)
+    no_sync = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+               else "broadcast_buffers")
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                   find_unused_parameters=not every_parameter_used, **{no_sync: False})

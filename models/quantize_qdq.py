@@ -1,0 +1,79 @@
+"""INT8 fake quantization computed the way ONNX QuantizeLinear / DequantizeLinear compute it.
+
+modelopt's own INT8 fake quantization multiplies by ``127 / amax``; the exported graph (and so ONNX
+Runtime and TensorRT) divides by the float32 scale ``amax / 127``. The two differ in the last bit for
+some inputs, and where a value sits on a rounding tie (ADown's average of equal-scale values lands on
+exact .5 steps) they round to different integers. Those flips accumulate over twenty layers: the model
+evaluated during QAT was not quite the model a runtime executes (up to 0.0025 mAP50-95 apart on
+GELAN-C at 640 px).
+
+Every quantizer of a model made by ``models.quantize`` runs through ``fake_quant`` below instead, a
+backend joined through modelopt's own registry (``register_quant_backend``):
+
+    scale = float32(amax) / 127            (0 -> 1, as the exported graph stores it)
+    q     = clamp(round_half_to_even(x / scale), -128, 127)
+    y     = q * scale
+
+with the straight-through gradient inside [-amax, amax] and zero outside (modelopt's default). While
+exporting to ONNX the quantizer hands over to modelopt's own function, whose symbolic writes the
+QuantizeLinear / DequantizeLinear pair with exactly that scale.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+BACKEND = "yolov9_qat_qdq"
+
+
+def qdq_scale(amax: torch.Tensor, num_bits: int = 8) -> torch.Tensor:
+    """The float32 scale the exported QuantizeLinear carries for ``amax`` (modelopt's export_int8)."""
+    scale = amax.detach().float() / float(2 ** (num_bits - 1) - 1)
+    return torch.where(scale == 0, torch.ones_like(scale), scale)
+
+
+class _QDQ(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, amax: torch.Tensor, qmin: int, qmax: int) -> torch.Tensor:
+        xf = x.float()
+        scale = qdq_scale(amax)
+        y = torch.clamp(torch.round(xf / scale), qmin, qmax) * scale
+        ctx.save_for_backward(xf.abs() <= amax.float())
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inside,) = ctx.saved_tensors
+        return grad * inside.to(grad.dtype), None, None, None
+
+
+def fake_quant(inputs: torch.Tensor, quantizer) -> torch.Tensor:
+    """modelopt backend entry point: ``inputs`` fake-quantized by ``quantizer`` (its amax, bits, sign)."""
+    amax = quantizer._get_amax(inputs)
+    num_bits, unsigned, narrow = quantizer._num_bits, quantizer._unsigned, quantizer._narrow_range
+    if torch.onnx.is_in_onnx_export() or not isinstance(num_bits, int):
+        from modelopt.torch.quantization.tensor_quant import fake_tensor_quant
+        axis = quantizer.axis[0] if isinstance(quantizer.axis, tuple) else quantizer.axis
+        return fake_tensor_quant(inputs, amax, None, num_bits, unsigned, narrow,
+                                 quantizer._trt_high_precision_dtype, quantizer._pass_through_bwd, None, axis)
+    qmax = 2 ** (num_bits - 1 + int(unsigned)) - 1
+    qmin = 0 if unsigned else (-qmax if narrow else -qmax - 1)
+    return _QDQ.apply(inputs, amax, qmin, qmax)
+
+
+def register() -> None:
+    """Make the backend known to modelopt (idempotent)."""
+    from modelopt.torch.quantization.nn.modules.tensor_quantizer import (is_registered_quant_backend,
+                                                                          register_quant_backend)
+    if not is_registered_quant_backend(BACKEND):
+        register_quant_backend(BACKEND, fake_quant)
+
+
+def use_qdq_rounding(model: nn.Module) -> nn.Module:
+    """Route every quantizer of ``model`` through ``fake_quant`` (after quantize and after restore)."""
+    from modelopt.torch.quantization.nn import TensorQuantizer
+    register()
+    for m in model.modules():
+        if isinstance(m, TensorQuantizer):
+            m.backend = BACKEND
+    return model

@@ -1,0 +1,186 @@
+"""QAT fine-tuning (models/quantize_finetune.py), its objectives (models/qat_objectives.py) and the
+QuantizeLinear-exact fake quantization (models/quantize_qdq.py), on the embedded GELAN-QS model (CPU)."""
+from __future__ import annotations
+
+import copy
+import io
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import REPO
+from helpers import real_images
+
+QS = REPO / "weights" / "gelan-qs-shapes.pt"
+IMGSZ = 64
+
+
+@pytest.fixture(scope="module")
+def images(shared):
+    return real_images(shared / "datasets" / "coco369" / "images" / "train2017", 4, IMGSZ)
+
+
+@pytest.fixture(scope="module")
+def qs(yolov9_tree):
+    from utils.qat import checkpoint
+    return checkpoint.load_fp(QS)
+
+
+@pytest.fixture(scope="module")
+def qs_calibrated(qs, images):
+    from models.quantize import calibrate, prepare
+    qmodel, info = prepare(qs, method="max")
+    calibrate(qmodel, [images[:2], images[2:]], info)
+    qmodel.names = qs.names
+    return qmodel, info
+
+
+def _export(module: torch.nn.Module, x: torch.Tensor) -> np.ndarray:
+    import onnxruntime as ort
+    buf = io.BytesIO()
+    torch.onnx.export(module, x, buf, opset_version=17, dynamo=False, input_names=["x"])
+    return ort.InferenceSession(buf.getvalue(), providers=["CPUExecutionProvider"]).run(None, {"x": x.numpy()})[0]
+
+
+def test_qdq_rounding_is_quantize_linear_bit_for_bit(yolov9_tree):
+    """A quantizer's PyTorch output equals ONNX Runtime's QuantizeLinear -> DequantizeLinear of the exported
+    graph in every bit, rounding ties (x exactly half-way between two steps) included; modelopt's own
+    rounding (x * 127 / amax) does not."""
+    from modelopt.torch.quantization.config import QuantizerAttributeConfig
+    from modelopt.torch.quantization.nn import TensorQuantizer
+
+    from models.quantize_qdq import BACKEND, qdq_scale, register
+
+    register()
+
+    class One(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q = TensorQuantizer(QuantizerAttributeConfig(num_bits=8, axis=None))
+            self.q.amax = torch.tensor(3.7)
+
+        def forward(self, x):
+            return self.q(x)
+
+    module = One().eval()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 4, 32, 32, generator=g) * 2
+    x[0, 0] = (torch.randint(-200, 200, (32, 32), generator=g) + 0.5) * qdq_scale(torch.tensor(3.7))  # ties
+    x[0, 1, 0, :4] = torch.tensor([100.0, -100.0, 3.7, -3.7])  # clipped and the bounds
+    expected = _export(module, x)
+    module.q.backend = BACKEND
+    with torch.no_grad():
+        assert np.array_equal(module(x).numpy(), expected)
+    module.q.backend = None
+    with torch.no_grad():
+        assert not np.array_equal(module(x).numpy(), expected)
+
+
+def test_qdq_rounding_gradient_is_clipped_straight_through(yolov9_tree):
+    from models.quantize_qdq import _QDQ
+    x = torch.tensor([-5.0, -1.0, 0.3, 2.0, 5.0], requires_grad=True)
+    _QDQ.apply(x, torch.tensor(4.0), -128, 127).sum().backward()
+    assert x.grad.tolist() == [0.0, 1.0, 1.0, 1.0, 0.0]
+
+
+def test_quantized_models_use_qdq_rounding(qs_calibrated, tmp_path):
+    """Made by prepare() and restored from a checkpoint alike: every quantizer rounds as QuantizeLinear."""
+    from modelopt.torch.quantization.nn import TensorQuantizer
+
+    from models.quantize_qdq import BACKEND
+    from utils.qat import checkpoint
+    qmodel, info = qs_calibrated
+    path = checkpoint.save_quantized(tmp_path / "q.pt", qmodel, info)
+    restored, _, _ = checkpoint.load_quantized(path)
+    for model in (qmodel, restored):
+        backends = {m.backend for m in model.modules() if isinstance(m, TensorQuantizer)}
+        assert backends == {BACKEND}
+
+
+def test_head_distillation_zero_at_teacher_and_background_light(qs):
+    """The head objective is 0 when student = teacher, and a change of the box logits of anchors where the
+    teacher sees no object weighs far less than the same change where it sees one."""
+    from models.qat_objectives import head_distillation
+    from models.quantize import fuse
+    model = fuse(copy.deepcopy(qs)).train()
+    head = model.model[-1]
+    image = torch.full((1, 3, 128, 128), 0.2)
+    image[:, :, 40:90, 30:80] = torch.tensor([0.9, 0.3, 0.1])[:, None, None]  # a filled square, as in the shapes set
+    with torch.no_grad():
+        out = model(image)
+    zero = head_distillation(out, out, head.reg_max, head.nc)
+    assert set(zero) == {"cls", "box"} and all(abs(float(v)) < 1e-6 for v in zero.values())
+
+    level = out[0]  # B x (4 * reg_max + nc) x H x W
+    conf = level[:, 4 * head.reg_max:].sigmoid().amax(1)  # B x H x W
+    fg, bg = np.unravel_index(int(conf.argmax()), conf.shape), np.unravel_index(int(conf.argmin()), conf.shape)
+    assert float(conf[fg]) > 0.5 > 100 * float(conf[bg])
+    costs = []
+    for b, y, x in (fg, bg):
+        moved = [t.clone() for t in out]
+        moved[0][b, : 4 * head.reg_max, y, x] += torch.linspace(-3, 3, 4 * head.reg_max)
+        costs.append(float(head_distillation(moved, out, head.reg_max, head.nc)["box"]))
+    assert costs[0] > 100 * costs[1] > 0
+
+
+def test_every_objective_trains_and_reports_its_terms(qs, qs_calibrated, images):
+    from models.qat_objectives import OBJECTIVES
+    from models.quantize import fuse
+    from models.quantize_finetune import QATConfig, finetune
+    from utils.qat.errors import QATError
+    qmodel, _ = qs_calibrated
+    teacher = fuse(copy.deepcopy(qs))
+    targets = torch.tensor([[0, 1, 0.5, 0.5, 0.3, 0.3], [1, 2, 0.4, 0.6, 0.2, 0.4]])
+    batch = (images[:2], targets, None)
+    expected = {"head": {"head.cls", "head.box"}, "features": {"features"}, "task": {"task"}, "mse": {"mse"}}
+    for objective in OBJECTIVES:
+        student = copy.deepcopy(qmodel)
+        [result] = finetune(student, teacher, lambda: [batch], QATConfig(epochs=1, iters=1, objective=objective, ema=0))
+        terms = set().union(*(expected[t] for t in objective.split("+")))
+        assert set(result.terms) == terms and np.isfinite(result.loss) and result.loss > 0, objective
+    with pytest.raises(QATError, match="needs labels"):
+        finetune(copy.deepcopy(qmodel), teacher, lambda: [images[:2]], QATConfig(epochs=1, iters=1, objective="task"))
+
+
+def test_iters_are_steps_and_a_short_set_is_read_again(qs, qs_calibrated, images, capsys):
+    from models.quantize import fuse
+    from models.quantize_finetune import QATConfig, finetune
+    qmodel, _ = qs_calibrated
+    reads = []
+
+    def batches():
+        reads.append(1)
+        return [images[:2], images[2:]]
+
+    results = finetune(copy.deepcopy(qmodel), fuse(copy.deepcopy(qs)), batches, QATConfig(epochs=2, iters=5, ema=0))
+    assert [r.steps for r in results] == [5, 5]
+    assert len(reads) == 6  # 3 reads of 2 batches per epoch
+    assert "gives 2 batches an epoch; reading it again to make 5 steps" in capsys.readouterr().out
+
+
+def test_ema_is_the_model_evaluated_and_returned(qs, qs_calibrated, images):
+    """With ``ema``, on_epoch_end sees the averaged weights, and fine-tuning returns the model holding them;
+    the averaged weights lie between the start and the last trained weights."""
+    from models.quantize import fuse
+    from models.quantize_finetune import QATConfig, finetune
+    qmodel, _ = qs_calibrated
+    student, plain = copy.deepcopy(qmodel), copy.deepcopy(qmodel)
+    name = "model.0.conv.weight"
+    start = dict(student.named_parameters())[name].detach().clone()
+    seen = []
+    config = QATConfig(epochs=1, iters=4, lr=1e-3, warmup=0)
+    finetune(student, fuse(copy.deepcopy(qs)), lambda: [images], config,
+             on_epoch_end=lambda r: seen.append(dict(student.named_parameters())[name].detach().clone()))
+    torch.manual_seed(0)
+    finetune(plain, fuse(copy.deepcopy(qs)), lambda: [images], QATConfig(epochs=1, iters=4, lr=1e-3, warmup=0, ema=0))
+    averaged, trained = dict(student.named_parameters())[name], dict(plain.named_parameters())[name]
+    assert torch.equal(seen[0], averaged.detach())
+    assert 0 < float((averaged - start).norm()) < float((trained - start).norm())
+
+
+def test_lr_schedule_warms_up_then_decays():
+    from models.quantize_finetune import lr_factor
+    f = [lr_factor(s, 100, 10, 0.01) for s in range(100)]
+    assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(f[9:], f[10:])) and f[-1] == pytest.approx(0.01, abs=1e-3)
