@@ -52,7 +52,7 @@ cd "$TREE"
 say "4/6 PTQ calibration + QAT ($EPOCHS epoch(s) x $ITERS batches) of the embedded model, evaluated at each stage"
 "$PY" qat.py quantize --weights "$WEIGHTS" --data "$DATA" --hyp data/hyps/hyp.scratch-high.yaml \
     --imgsz $IMGSZ --batch-size 16 --device "$DEVICE" --workers 2 --calib-batches 8 --calib-method percentile \
-    --epochs "$EPOCHS" --iters "$ITERS" --lr 1e-4 --project "$WORK/runs" --name quickstart --exist-ok
+    --epochs "$EPOCHS" --iters "$ITERS" --project "$WORK/runs" --name quickstart --exist-ok
 QAT=$RUN/weights/qat_best_gelan-qs-shapes.pt
 
 say "5/6 Q/DQ ONNX export + lint"
