@@ -20,9 +20,9 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 
-from utils.qat import checkpoint, distributed, reports  # noqa: E402
+from utils.qat import checkpoint, distributed, reports, validate  # noqa: E402
 from utils.qat.backends import TorchBackend  # noqa: E402
-from utils.qat.data import check_imgsz, dataloader, images_only, load_data_yaml, load_hyp  # noqa: E402
+from utils.qat.data import check_imgsz, data_argument, dataloader, images_only, load_data_yaml, load_hyp  # noqa: E402
 from utils.qat.device import select_device  # noqa: E402
 from utils.qat.errors import QATError, run_cli  # noqa: E402
 from utils.qat.evaluate import evaluate  # noqa: E402
@@ -31,7 +31,7 @@ from utils.qat.evaluate import evaluate  # noqa: E402
 
 def _common(p: argparse.ArgumentParser, project: str) -> None:
     p.add_argument("--weights", required=True, help="model checkpoint (.pt)")
-    p.add_argument("--data", required=True, help="dataset yaml")
+    p.add_argument("--data", default=None, help="dataset yaml (default: data/coco.yaml of the YOLOv9 tree, as upstream)")
     p.add_argument("--device", default="", help="cpu, 0 or cuda:0 (default: first GPU, else CPU)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--imgsz", "--img", "--img-size", dest="imgsz", type=int, default=640, help="inference size (pixels)")
@@ -114,6 +114,7 @@ def _score(backend, data, args, desc: str, num_images: int | None = None):
 
 def _data(args, splits: tuple[str, ...]) -> dict:
     """The dataset yaml, checked; segmentation also needs polygon labels in the splits it evaluates on."""
+    args.data = data_argument(args.data)
     data = load_data_yaml(args.data, splits=splits)
     if args.task == "segment":
         from utils.qat.data import check_polygons
@@ -195,6 +196,7 @@ def _quantize(args, device, launch) -> Path | None:
     from utils.general import init_seeds
     world, local_rank = (launch.world_size, launch.local_rank) if launch else (1, -1)
     fp = checkpoint.load_fp(args.weights, task=args.task)
+    validate.skip_layers(fp, args.skip_layers)  # before any evaluation
     data = _data(args, ("train", "val"))
     hyp = load_hyp(args.hyp)
     stride = int(fp.stride.max())
@@ -308,6 +310,10 @@ def cmd_sensitive(args) -> Path:
     device = _one_process_device(args.device, "sensitive", args.task)
     fp = checkpoint.load_fp(args.weights, task=args.task)
     data = _data(args, ("train", "val"))
+    if args.hyp:
+        load_hyp(args.hyp)
+        print("notice: --hyp sets the augmentation of QAT fine-tuning; sensitive only calibrates (on images without "
+              "augmentation, as quantize does), so it is not used here.")
     args.imgsz = check_imgsz(args.imgsz, int(fp.stride.max()))
     out = reports.run_dir(args.project, args.name, args.exist_ok)
     qmodel, info = _calibrated(fp, data, args, device)
@@ -372,6 +378,7 @@ def cmd_eval(args) -> Path:
 
 
 def main(args) -> Path:
+    validate.check_args(args)
     return {"quantize": cmd_quantize, "sensitive": cmd_sensitive, "eval": cmd_eval}[args.cmd](args)
 
 
