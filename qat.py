@@ -15,7 +15,6 @@ import copy  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
-import shutil  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -38,7 +37,9 @@ def _common(p: argparse.ArgumentParser, project: str) -> None:
     p.add_argument("--workers", type=int, default=8, help="dataloader workers")
     p.add_argument("--project", default=project)
     p.add_argument("--name", default="exp")
-    p.add_argument("--exist-ok", action="store_true", help="reuse project/name instead of incrementing it")
+    p.add_argument("--exist-ok", action="store_true",
+                   help="reuse project/name instead of incrementing it (quantize: a previous run of the same weights "
+                        "there is replaced, its report and checkpoints removed first)")
 
 
 def _calibration(p: argparse.ArgumentParser) -> None:
@@ -171,9 +172,8 @@ def _dump_amax(qmodel) -> None:
 
 
 def _copy_atomic(src: Path, dest: Path) -> None:
-    from utils.qat.atomic import atomic_path
-    with atomic_path(dest) as tmp:
-        shutil.copyfile(src, tmp)
+    from utils.qat.atomic import copy_file
+    copy_file(src, dest)
 
 
 def cmd_quantize(args) -> Path | None:
@@ -233,6 +233,7 @@ class _Run:
         self.wdir = self.out / "weights"
         self.wdir.mkdir(exist_ok=True)
         self.stem = Path(args.weights).stem
+        reports.replace_previous_run(self.out, self.stem)
         self.title = f"yolov9-qat: {Path(args.weights).name} on {Path(args.data).name} at {args.imgsz}px"
         self.rows: list[dict] = []
         self.epochs: list[dict] = []
