@@ -165,3 +165,13 @@ def test_label_class_beyond_nc_refused_by_file_and_line(yolov9_tree, shapes, tmp
     assert _one_error(r) == (f"error: {label}:2 has class 99, but {root / 'bad.yaml'} has nc: 6 (classes 0-5); fix "
                              f"that label, or nc and names in the yaml.")
     assert not (tmp_path / "runs").exists()
+
+
+def test_shell_and_dataset_script_ranges(tmp_path):
+    r = subprocess.run(["bash", str(REPO / "scripts" / "quickstart.sh"), str(tmp_path / "qs")], capture_output=True,
+                       text=True, env={**os.environ, "QS_ITERS": "0"})
+    assert _one_error(r) == "error: QS_ITERS=0 is out of range: it must be an integer of at least 1."
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "make_shapes_dataset.py"), "--out", str(tmp_path / "s"),
+                        "--imgsz", "8"], capture_output=True, text=True)
+    assert _one_error(r) == "error: --imgsz 8 is out of range: it must be at least 32."
+    assert not list(tmp_path.iterdir())
