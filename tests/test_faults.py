@@ -8,6 +8,7 @@ run that waits at a real point of its work until the signal comes.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -37,32 +38,52 @@ def _env(**extra: str) -> dict:
     return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path, **extra}
 
 
+def _group_gone(pgid: int, seconds: float) -> bool:
+    """True once no process of the group is left (the run's dataloader workers included)."""
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
 def _interrupted_runs(tree: Path, shapes: Path, project: Path, sig: signal.Signals, workers: int = 0) -> dict:
     """One run per stage, side by side (one thread each), each stopped at its stage and sent ``sig``. Returns
-    stage -> (run folder, exit status, stderr)."""
+    stage -> (run folder, exit status, stderr). Output goes to files: a pipe would also wait for any process
+    the run left behind."""
     procs = {}
     for stage in STAGES:
-        mark = project / f"{stage}.mark"
-        procs[stage] = (mark, subprocess.Popen(
-            _command(shapes, project, stage, workers), cwd=tree, start_new_session=True, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True,
-            env=_env(YOLOV9_QAT_TEST_PAUSE=stage, YOLOV9_QAT_TEST_MARK=str(mark), OMP_NUM_THREADS="1")))
+        mark, log = project / f"{stage}.mark", project / f"{stage}.stderr"
+        with open(log, "w") as err:
+            procs[stage] = (mark, log, subprocess.Popen(
+                _command(shapes, project, stage, workers), cwd=tree, start_new_session=True,
+                stdout=subprocess.DEVNULL, stderr=err,
+                env=_env(YOLOV9_QAT_TEST_PAUSE=stage, YOLOV9_QAT_TEST_MARK=str(mark), OMP_NUM_THREADS="1")))
     results = {}
     try:
-        for stage, (mark, proc) in procs.items():
+        for stage, (mark, log, proc) in procs.items():
             deadline = time.time() + 300
             while not mark.exists():
-                assert proc.poll() is None, f"{stage}: exited {proc.returncode} before its stop: {proc.stderr.read()}"
+                assert proc.poll() is None, f"{stage}: exited {proc.returncode} before its stop: {log.read_text()}"
                 assert time.time() < deadline, f"{stage}: never reached its stop"
                 time.sleep(0.2)
             os.killpg(proc.pid, sig)  # the whole group: the dataloader workers too, as a terminal's Ctrl-C does
-            _, err = proc.communicate(timeout=120)
-            results[stage] = (project / stage, proc.returncode, err)
+            try:
+                proc.wait(timeout=300)
+            except subprocess.TimeoutExpired:
+                proc.send_signal(signal.SIGUSR1)  # its threads' stacks, to its stderr
+                time.sleep(3)
+                pytest.fail(f"{stage}: still running 300 s after {sig.name}: {log.read_text()[-8000:]}")
+            assert _group_gone(proc.pid, 60), f"{stage}: processes left behind after {sig.name}"
+            results[stage] = (project / stage, proc.returncode, log.read_text())
     finally:
-        for _, proc in procs.values():
-            if proc.poll() is None:
+        for _, _, proc in procs.values():
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            proc.wait()
     return results
 
 

@@ -6,14 +6,19 @@ It changes nothing by default. With YOLOV9_QAT_TEST_PAUSE set, the process stops
   finetune     the first optimizer step of QAT fine-tuning (torch's global step pre-hook)
   checkpoint   the first file completed under a weights/ folder, after its bytes are written and before it
                is linked into place (the fsync of utils/qat/atomic.py)
+SIGUSR1 then prints every thread's stack (for a run that does not end after its signal).
 With YOLOV9_QAT_TEST_ENOSPC=1 that fsync fails with ENOSPC instead (a full disk, where no small tmpfs can be
 mounted for the test).
 """
 import errno
+import faulthandler
 import os
+import signal
 import time
 
 _stage = os.environ.get("YOLOV9_QAT_TEST_PAUSE")
+if _stage:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for the stacks of a run that hangs
 _paused = False
 
 
