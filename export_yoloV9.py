@@ -44,11 +44,11 @@ def main(args: argparse.Namespace) -> dict:
     from utils.qat.atomic import write_text
     from utils.qat.onnx_export import (DeepStreamOutput, export_onnx, find_head, format_report, head_kind,
                                        load_for_export, parse_imgsz, readable)
+    from utils.qat.validate import check_args
+    check_args(args)
     if args.dynamic and args.batch > 1:
         raise QATError(f"--batch {args.batch} and --dynamic contradict each other: use --dynamic for a dynamic batch "
                        f"or --batch N for a fixed one.")
-    if args.batch < 1:
-        raise QATError(f"--batch must be at least 1, got {args.batch}.")
     weights = Path(args.weights)
     ckpt = checkpoint.read(weights)
     task = checkpoint.task_of(ckpt)

@@ -10,11 +10,12 @@ HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd -P)
 readonly HERE
 readonly TREX_URL="git+https://github.com/NVIDIA/TensorRT.git#subdirectory=tools/experimental/trt-engine-explorer"
 readonly NVIDIA_INDEX="https://pypi.nvidia.com"
+readonly TRT_STUBS="tensorrt-stubs"
 PROG=${0##*/}
 
 usage() {
     cat <<EOF
-usage: $PROG [--yolov9 DIR] [--tensorrt] [--trex] [--python PY] [--dry-run]
+usage: $PROG [--yolov9 DIR] [--dev] [--tensorrt] [--trex] [--python PY] [--dry-run]
 
 Installs with pip what yolov9-qat needs on top of YOLOv9's own requirements
 ($HERE/requirements.txt: nvidia-modelopt, onnx, onnxruntime, ...). An installed torch and
@@ -24,6 +25,9 @@ options:
   --yolov9 DIR  also install YOLOv9's own DIR/requirements.txt (without its torch and torchvision
                 lines when torch is installed, and without opencv-python: opencv-python-headless
                 provides cv2)
+  --dev         also install what the tests need ($HERE/requirements-dev.txt: pytest,
+                mypy) and $TRT_STUBS (type stubs for the TensorRT check; installed with --no-deps:
+                it declares a dependency on tensorrt, which installs only on GPU hosts)
   --tensorrt    also install the TensorRT Python wheels matching the CUDA of the installed torch
                 (tensorrt-cu12, tensorrt-cu13, ... from $NVIDIA_INDEX), unless TensorRT is
                 already present (e.g. in an NGC container)
@@ -72,6 +76,7 @@ py() {
 # ---------------------------------------------------------------------------------------------
 
 YOLOV9=
+DEV=0
 TENSORRT=0
 TREX=0
 DRY_RUN=0
@@ -88,6 +93,7 @@ while [ $# -gt 0 ]; do
             [ $# -ge 2 ] && [ -n "$2" ] || usage_error "--python needs an interpreter"
             PY=$2; shift ;;
         --python=*) PY=${1#*=}; [ -n "$PY" ] || usage_error "--python needs an interpreter" ;;
+        --dev) DEV=1 ;;
         --tensorrt) TENSORRT=1 ;;
         --trex) TREX=1 ;;
         --dry-run) DRY_RUN=1 ;;
@@ -103,6 +109,8 @@ py -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null \
     || die "$PY is Python $(py -c 'import platform; print(platform.python_version())' 2>/dev/null || echo '?'); yolov9-qat needs Python >= 3.10."
 py -m pip --version >/dev/null 2>&1 || die "pip is not available for $PY (install it with: $PY -m ensurepip --upgrade)."
 [ -f "$HERE/requirements.txt" ] || die "$HERE/requirements.txt is missing (is this a complete yolov9-qat checkout?)."
+[ "$DEV" -eq 0 ] || [ -f "$HERE/requirements-dev.txt" ] \
+    || die "$HERE/requirements-dev.txt is missing (is this a complete yolov9-qat checkout?)."
 if [ -n "$YOLOV9" ]; then
     [ -e "$YOLOV9" ] || die "--yolov9 $YOLOV9 does not exist: pass the path of a YOLOv9 clone."
     [ -d "$YOLOV9" ] || die "--yolov9 $YOLOV9 is not a directory: pass the path of a YOLOv9 clone."
@@ -190,8 +198,17 @@ if [ -n "$YOLOV9" ]; then
     requirement_args+=(-r "$filtered")
     name="toolkit and YOLOv9 requirements"
 fi
+if [ "$DEV" -eq 1 ]; then
+    requirement_args+=(-r "$HERE/requirements-dev.txt")
+    name="$name and test tools"
+fi
 step "$name" "pip could not install them (see its output above); if it reports a conflict with torch, install a torch that satisfies it first, this script never changes torch." \
     "${pip_install[@]}" "${requirement_args[@]}"
+
+if [ "$DEV" -eq 1 ]; then
+    step "$TRT_STUBS (--no-deps)" "pip could not install $TRT_STUBS; only the TensorRT type check (tests/test_typecheck.py) needs it." \
+        "${pip_install[@]}" --no-deps "$TRT_STUBS"
+fi
 
 # ---------------------------------------------------------------------------------------------
 # 2. TensorRT (only when asked).

@@ -15,15 +15,14 @@ import copy  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
-import shutil  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import TYPE_CHECKING  # noqa: E402
 
 
-from utils.qat import checkpoint, distributed, reports  # noqa: E402
+from utils.qat import checkpoint, distributed, reports, validate  # noqa: E402
 from utils.qat.backends import TorchBackend  # noqa: E402
-from utils.qat.data import check_imgsz, dataloader, images_only, labelled, load_data_yaml, load_hyp  # noqa: E402
+from utils.qat.data import check_imgsz, data_argument, dataloader, images_only, labelled, load_data_yaml, load_hyp  # noqa: E402
 from utils.qat.device import select_device  # noqa: E402
 from utils.qat.errors import QATError, run_cli  # noqa: E402
 from utils.qat.evaluate import evaluate  # noqa: E402
@@ -35,14 +34,16 @@ if TYPE_CHECKING:
 
 def _common(p: argparse.ArgumentParser, project: str) -> None:
     p.add_argument("--weights", required=True, help="model checkpoint (.pt)")
-    p.add_argument("--data", required=True, help="dataset yaml")
+    p.add_argument("--data", default=None, help="dataset yaml (default: data/coco.yaml of the YOLOv9 tree, as upstream)")
     p.add_argument("--device", default="", help="cpu, 0 or cuda:0 (default: first GPU, else CPU)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--imgsz", "--img", "--img-size", dest="imgsz", type=int, default=640, help="inference size (pixels)")
     p.add_argument("--workers", type=int, default=8, help="dataloader workers")
     p.add_argument("--project", default=project)
     p.add_argument("--name", default="exp")
-    p.add_argument("--exist-ok", action="store_true", help="reuse project/name instead of incrementing it")
+    p.add_argument("--exist-ok", action="store_true",
+                   help="reuse project/name instead of incrementing it (quantize: a previous run of the same weights "
+                        "there is replaced, its report and checkpoints removed first)")
 
 
 def _calibration(p: argparse.ArgumentParser) -> None:
@@ -146,6 +147,7 @@ def _score(backend, data, args, desc: str, num_images: int | None = None):
 
 def _data(args, splits: tuple[str, ...]) -> dict:
     """The dataset yaml, checked; segmentation also needs polygon labels in the splits it evaluates on."""
+    args.data = data_argument(args.data)
     data = load_data_yaml(args.data, splits=splits)
     if args.task == "segment":
         from utils.qat.data import check_polygons
@@ -202,9 +204,8 @@ def _dump_amax(qmodel) -> None:
 
 
 def _copy_atomic(src: Path, dest: Path) -> None:
-    from utils.qat.atomic import atomic_path
-    with atomic_path(dest) as tmp:
-        shutil.copyfile(src, tmp)
+    from utils.qat.atomic import copy_file
+    copy_file(src, dest)
 
 
 def cmd_quantize(args) -> Path | None:
@@ -229,6 +230,7 @@ def _quantize(args, device, launch) -> Path | None:
     from utils.general import init_seeds
     world, local_rank = (launch.world_size, launch.local_rank) if launch else (1, -1)
     fp = checkpoint.load_fp(args.weights, task=args.task)
+    validate.skip_layers(fp, args.skip_layers)  # before any evaluation
     data = _data(args, ("train", "val"))
     hyp = load_hyp(args.hyp)
     stride = int(fp.stride.max())
@@ -268,6 +270,7 @@ class _Run:
         self.wdir = self.out / "weights"
         self.wdir.mkdir(exist_ok=True)
         self.stem = Path(args.weights).stem
+        reports.replace_previous_run(self.out, self.stem)
         self.title = f"yolov9-qat: {Path(args.weights).name} on {Path(args.data).name} at {args.imgsz}px"
         self.rows: list[dict] = []
         self.epochs: list[dict] = []
@@ -345,6 +348,10 @@ def cmd_sensitive(args) -> Path:
     device = _one_process_device(args.device, "sensitive", args.task)
     fp = checkpoint.load_fp(args.weights, task=args.task)
     data = _data(args, ("train", "val"))
+    if args.hyp:
+        load_hyp(args.hyp)
+        print("notice: --hyp sets the augmentation of QAT fine-tuning; sensitive only calibrates (on images without "
+              "augmentation, as quantize does), so it is not used here.")
     args.imgsz = check_imgsz(args.imgsz, int(fp.stride.max()))
     out = reports.run_dir(args.project, args.name, args.exist_ok)
     qmodel, info = _calibrated(fp, data, args, device)
@@ -409,6 +416,7 @@ def cmd_eval(args) -> Path:
 
 
 def main(args) -> Path:
+    validate.check_args(args)
     return {"quantize": cmd_quantize, "sensitive": cmd_sensitive, "eval": cmd_eval}[args.cmd](args)
 
 

@@ -36,6 +36,8 @@ def get_args_parser() -> argparse.ArgumentParser:
 
 def main(args: argparse.Namespace) -> None:
     from utils.qat.reparam import reparameterize
+    from utils.qat.validate import check_args
+    check_args(args)
     reparameterize(weights=args.weights, model=args.model, save=args.save, cfg=args.cfg,
                    classes_num=args.classes_num, device=args.device)
 

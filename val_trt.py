@@ -37,7 +37,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     src.add_argument("--onnx", default=None, help="ONNX graph (export_qat.py), run with --backend onnxruntime")
     p.add_argument("--backend", choices=BACKENDS, default=None,
                    help="tensorrt (default with --engine-file) or onnxruntime (default with --onnx)")
-    p.add_argument("--data", required=True, help="dataset yaml")
+    p.add_argument("--data", default=None, help="dataset yaml (default: data/coco.yaml of the YOLOv9 tree, as upstream)")
     p.add_argument("--batch-size", type=int, default=32, help="batch size (a static engine/graph uses its own)")
     p.add_argument("--imgsz", "--img", "--img-size", dest="imgsz", type=int, default=640,
                    help="inference size in pixels (a static engine/graph uses its own)")
@@ -110,15 +110,14 @@ def make_backend(args: argparse.Namespace):
 def main(args: argparse.Namespace) -> dict:
     from utils.qat import reports
     from utils.qat.atomic import write_text
-    from utils.qat.data import check_imgsz, check_polygons, load_data_yaml
+    from utils.qat.data import check_imgsz, check_polygons, data_argument, load_data_yaml
     from utils.qat.evaluate import evaluate
     from utils.qat.evaluate_seg import evaluate_seg
-    if args.batch_size < 1:
-        raise QATError(f"--batch-size must be at least 1, got {args.batch_size}.")
-    if args.num_image is not None and args.num_image < 1:
-        raise QATError(f"--num-image must be at least 1, got {args.num_image}.")
+    from utils.qat.validate import check_args
+    check_args(args)
     if args.report and not Path(args.report).is_file():
         raise QATError(f"--report {args.report} not found; pass the report.json that qat.py quantize wrote.")
+    args.data = data_argument(args.data)
     data = load_data_yaml(args.data, splits=("val",))
     backend, source, runtime = make_backend(args)
     model_task = getattr(backend, "task", None) or "detect"

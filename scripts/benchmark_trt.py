@@ -24,6 +24,7 @@ if str(ROOT) not in sys.path:
 
 from utils.qat.bench_report import build_results, collect_logs, log_name, render_markdown, write_report  # noqa: E402
 from utils.qat.errors import QATError, run_cli  # noqa: E402
+from utils.qat.validate import check_args  # noqa: E402
 from utils.qat.trtexec import (benchmark_command, find_trtexec, parse_trtexec_output, run_trtexec,  # noqa: E402
                                trtexec_version, version_tuple)
 
@@ -53,6 +54,7 @@ def _fixed_batch(engine: Path) -> int | None:
 
 
 def main(args: argparse.Namespace) -> None:
+    check_args(args)
     if args.from_logs:
         runs = collect_logs(args.from_logs)
         out = Path(args.out) if args.out else Path(args.from_logs).resolve().parent
@@ -65,8 +67,6 @@ def main(args: argparse.Namespace) -> None:
         for _label, src, _ in models:
             if not src.is_file():
                 raise QATError(f"{src} not found; pass an exported ONNX or a built engine.")
-        if any(b < 1 for b in args.batch):
-            raise QATError(f"batch sizes must be >= 1, got {args.batch}.")
         trtexec = Path("trtexec") if args.dry_run and args.trt_version else find_trtexec()
         version = args.trt_version or trtexec_version(trtexec)
         if version is None:

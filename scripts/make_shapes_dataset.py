@@ -357,11 +357,13 @@ def get_args_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = get_args_parser().parse_args(argv)
-    if args.train < 1 or args.val < 1:
-        print("error: --train and --val must be at least 1", file=sys.stderr)
-        return 2
+    for flag, value, low in (("--train", args.train, 1), ("--val", args.val, 1), ("--imgsz", args.imgsz, 32),
+                             ("--seed", args.seed, 0), ("--jobs", args.jobs, 1)):
+        if value < low:  # the wording of utils/qat/validate.py (this script runs before any tree is patched)
+            print(f"error: {flag} {value} is out of range: it must be at least {low}.", file=sys.stderr)
+            return 2
     try:
-        yaml_path = write_dataset(Path(args.out), args.seed, args.train, args.val, args.imgsz, max(args.jobs, 1),
+        yaml_path = write_dataset(Path(args.out), args.seed, args.train, args.val, args.imgsz, args.jobs,
                                   args.task)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

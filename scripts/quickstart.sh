@@ -10,6 +10,12 @@
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)
+for knob in QS_ITERS QS_EPOCHS; do  # checked before anything is created
+    if ! [[ "${!knob:-1}" =~ ^[0-9]+$ ]] || [ "${!knob:-1}" -lt 1 ]; then
+        echo "error: $knob=${!knob} is out of range: it must be an integer of at least 1." >&2
+        exit 2
+    fi
+done
 WORK=$(mkdir -p "${1:-quickstart}" && cd "${1:-quickstart}" && pwd -P)
 ITERS=${QS_ITERS:-24}
 EPOCHS=${QS_EPOCHS:-1}

@@ -32,7 +32,9 @@ if [ "$#" -eq 4 ]; then
 fi
 [ -f "$1" ] || die "weights file $1 not found; pass the QAT checkpoint (e.g. runs/qat/exp/weights/qat_best.pt)."
 [ -f "$2" ] || die "data yaml $2 not found; pass a dataset yaml such as data/coco.yaml."
-[[ "$3" =~ ^[0-9]+$ ]] && [ "$3" -gt 0 ] || die "image size must be a positive integer, got '$3' (e.g. 640)."
+[[ "$3" =~ ^[0-9]+$ ]] && [ "$3" -ge 32 ] || die "image size $3 is out of range: it must be an integer of at least 32 (e.g. 640)."
+[[ "${VAL_TRT_MAX_BATCH:-32}" =~ ^[0-9]+$ ]] && [ "${VAL_TRT_MAX_BATCH:-32}" -ge 1 ] \
+    || die "VAL_TRT_MAX_BATCH=$VAL_TRT_MAX_BATCH is out of range: it must be an integer of at least 1 (default 32)."
 
 weights=$(cd "$(dirname "$1")" && pwd -P)/$(basename "$1")
 data=$(cd "$(dirname "$2")" && pwd -P)/$(basename "$2")

@@ -274,6 +274,28 @@ def test_check_font_never_downloads(fresh_interpreter):
 
 
 # ---------------------------------------------------------------------------------------------
+# Known third-party noise (utils/qat/noise.py) is silenced by its exact text; real warnings still show.
+
+def test_known_noise_silenced_real_warnings_kept(yolov9_tree):
+    proc = run_python(yolov9_tree, """
+        import logging, warnings
+        from utils.qat import compat
+        compat.apply()
+        import modelopt.torch.quantization  # imports torch.utils.cpp_extension and torch.jit.script's user
+        warnings.warn("`torch.jit.script` is deprecated. Please switch to `torch.compile`", FutureWarning)
+        logging.getLogger("torch.utils.cpp_extension").warning("No CUDA runtime is found, using CUDA_HOME='%s'", "/x")
+        warnings.warn("a real FutureWarning", FutureWarning)
+        warnings.warn("a real UserWarning")
+        logging.getLogger("torch.utils.cpp_extension").warning("a real cpp_extension warning")
+        print("DONE")
+    """)
+    assert ok(proc).strip().endswith("DONE")
+    assert "torch.jit.script" not in proc.stderr and "No CUDA runtime" not in proc.stderr, proc.stderr
+    for real in ("a real FutureWarning", "a real UserWarning", "a real cpp_extension warning"):
+        assert real in proc.stderr, proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------
 # All together: upstream val.py on real photos, the way a user evaluates (compute_ap, the plots in
 # threads with box labels, attempt_load of the named checkpoint, fonts), offline.
 

@@ -300,3 +300,33 @@ def test_real_run_stops_at_the_failing_step(tmp_path, venv_python):
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1].startswith("error: step 'toolkit requirements' failed")
     assert "==> TensorRT" not in proc.stdout
+
+
+def test_dev_adds_the_test_tools_and_the_stubs_without_their_dependencies(tmp_path, venv_python):
+    py = fake_python(tmp_path, venv_python)
+    proc = install("--dry-run", "--python", py, "--dev")
+    assert proc.returncode == 0, proc.stderr
+    tools, stubs = pip_commands(proc)
+    files = [tools[i + 1] for i, arg in enumerate(tools) if arg == "-r"]
+    assert files == [str(REPO / "requirements.txt"), str(REPO / "requirements-dev.txt")]  # resolved together
+    assert stubs[-2:] == ["--no-deps", "tensorrt-stubs"] and "-c" in stubs
+    dev = (REPO / "requirements-dev.txt").read_text().split()
+    assert "pytest" in dev and "mypy" in dev
+
+
+def _readme_test_lines() -> list[str]:
+    """The bash block of README's 'Tests, set-up included' paragraph."""
+    text = (REPO / "README.md").read_text()
+    block = text[text.index("Tests, set-up included"):]
+    block = block[block.index("```bash\n") + len("```bash\n"):]
+    return block[:block.index("```")].strip().splitlines()
+
+
+def test_ci_runs_readme_test_command_exactly():
+    export, line = _readme_test_lines()
+    assert export.startswith("export YOLOV9_DIR=")
+    assert "./install_dependencies.sh --dev" in line and line.endswith("python3 -m pytest tests -q -rs")
+    ci = (REPO / ".ci" / "run").read_text()
+    assert f"readme_tests='{line}'" in ci
+    assert 'bash -c "$readme_tests"' in ci and "export YOLOV9_DIR" in ci
+    assert "5) " in ci  # pytest's 'no tests collected' fails CI

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import logging
 import os
 from pathlib import Path
@@ -17,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from utils.qat import __version__
-from utils.qat.atomic import atomic_path
+from utils.qat.atomic import write_bytes
 from utils.qat.compat import trust_checkpoint
 from utils.qat.errors import QATError
 
@@ -95,9 +96,9 @@ def save_quantized(path: str | os.PathLike, model: nn.Module, info, *, epoch: in
         "epoch": epoch,
         "metrics": metrics or {},
     }
-    with atomic_path(path) as tmp:
-        torch.save(ckpt, tmp)
-    return Path(path)
+    buffer = io.BytesIO()  # serialised first: a full disk then fails in a plain write, with its errno
+    torch.save(ckpt, buffer)
+    return write_bytes(path, buffer.getbuffer())
 
 
 @contextlib.contextmanager

@@ -12,8 +12,9 @@ import os
 import shutil
 import sys
 import types
-import warnings
 from pathlib import Path
+
+from utils.qat import noise
 
 _TRUSTED: set[str] = set()
 _applied = False
@@ -47,7 +48,6 @@ def _shim_pillow_getsize() -> None:
 
 def _shim_pkg_resources() -> None:
     # utils/general.py: ModuleNotFoundError: No module named 'pkg_resources' (setuptools >= 81)
-    warnings.filterwarnings("ignore", message="pkg_resources is deprecated")
     try:
         import pkg_resources  # noqa: F401
         return
@@ -180,6 +180,7 @@ def apply(yolov9_root: str | os.PathLike | None = None) -> None:
         sys.path.insert(0, root)
     if _applied:
         return
+    noise.silence()
     _shim_numpy_trapz()
     _shim_pillow_getsize()
     _shim_pkg_resources()

@@ -10,6 +10,19 @@ import yaml
 from utils.qat.errors import QATError
 
 IMAGE_SUFFIXES = {".bmp", ".dng", ".jpeg", ".jpg", ".mpo", ".png", ".tif", ".tiff", ".webp", ".pfm"}
+TREE = Path(__file__).resolve().parents[2]  # the YOLOv9 tree this file was patched into
+DEFAULT_DATA = "data/coco.yaml"  # --data when left out: the tree's COCO yaml, as upstream val.py and the reference
+HYPS = "data/hyps"
+
+
+def data_argument(value: str | None) -> str:
+    """The dataset yaml of ``--data`` (left out: the tree's data/coco.yaml); prints which one is used."""
+    if value is not None:
+        print(f"data: {value}")
+        return value
+    path = TREE / DEFAULT_DATA
+    print(f"data: {DEFAULT_DATA if Path.cwd().resolve() == TREE else path} (--data not given: the default)")
+    return str(path)
 
 
 def _resolve(entry, base: Path) -> list[Path]:
@@ -62,14 +75,56 @@ def load_data_yaml(path: str | os.PathLike, splits: tuple[str, ...] = ("val",), 
         paths = _resolve(data[split], base)
         missing = [str(p) for p in paths if not p.exists()]
         if missing:
-            raise QATError(f"the '{split}' images of {path} were not found at {missing[0]}; fix 'path:' / "
+            fetch = ("download the dataset first (the yaml's 'download:' entry; for COCO, YOLOv9's "
+                     "scripts/get_coco.sh) or " if data.get("download") else "")
+            raise QATError(f"the '{split}' images of {path} were not found at {missing[0]}; {fetch}fix 'path:' / "
                            f"'{split}:' (relative paths are taken from the YOLOv9 root).")
         if _count_images(paths) == 0:
             raise QATError(f"the '{split}' folder of {path} ({paths[0]}) holds no images; point it at a folder of "
                            "images with labels/ beside images/.")
         data[split] = [str(p) for p in paths] if len(paths) > 1 else str(paths[0])
     data.update(path=str(base), names=names, nc=nc, yaml_file=str(path))
+    for split in splits:
+        check_classes(data, split)
     return data
+
+
+def _images(entry: Path) -> list[str]:
+    """The images of one train/val entry: a folder (searched recursively) or a txt list (upstream's rule:
+    a line starting with ./ is relative to the list's folder)."""
+    if entry.is_dir():
+        return [str(f) for f in sorted(entry.rglob("*")) if f.suffix.lower() in IMAGE_SUFFIXES]
+    lines = [line.strip() for line in entry.read_text().splitlines() if line.strip()]
+    return [str(entry.parent / line[2:]) if line.startswith("./") else line for line in lines]
+
+
+def label_files(data: dict, split: str) -> list[Path]:
+    """The label file of every image of ``split`` (upstream's images/ -> labels/ rule; some may not exist)."""
+    from utils.dataloaders import img2label_paths
+    entries = data[split] if isinstance(data[split], list) else [data[split]]
+    return [Path(p) for entry in entries for p in img2label_paths(_images(Path(entry)))]
+
+
+def check_classes(data: dict, split: str) -> None:
+    """Every label line's class id must be one of the dataset's classes (0 .. nc-1). Upstream's loader
+    accepts larger ids without a word (only train.py refuses them, without naming the file)."""
+    nc = data["nc"]
+    for label in label_files(data, split):
+        try:
+            text = label.read_text(errors="replace")
+        except (FileNotFoundError, IsADirectoryError):
+            continue  # an image without labels: a background image
+        for number, line in enumerate(text.splitlines(), 1):
+            token = line.split(None, 1)[0] if line.strip() else None
+            if token is None:
+                continue
+            try:
+                cls = float(token)
+            except ValueError:
+                cls = None
+            if cls is None or not cls.is_integer() or not 0 <= cls < nc:
+                raise QATError(f"{label}:{number} has class {token}, but {data['yaml_file']} has nc: {nc} (classes "
+                               f"0-{nc - 1}); fix that label, or nc and names in the yaml.")
 
 
 def check_imgsz(imgsz: int, stride: int) -> int:
@@ -105,17 +160,10 @@ def dataloader(data: dict, split: str, imgsz: int, batch_size: int, stride: int,
 def check_polygons(data: dict, splits: tuple[str, ...] = ("val",)) -> None:
     """Segmentation needs polygon labels (``class x1 y1 x2 y2 ...``); box-only label files would give
     empty masks and a mask mAP of 0 without a word, so they are refused here."""
-    from utils.dataloaders import img2label_paths
     for split in splits:
-        entries = data[split] if isinstance(data[split], list) else [data[split]]
-        images = []
-        for entry in map(Path, entries):
-            if entry.is_dir():
-                images += [str(f) for f in sorted(entry.rglob("*")) if f.suffix.lower() in IMAGE_SUFFIXES]
-            else:
-                images += [line.strip() for line in entry.read_text().splitlines() if line.strip()]
+        labels = label_files(data, split)
         boxes = polygons = 0
-        for label in map(Path, img2label_paths(images)):
+        for label in labels:
             if not label.is_file():
                 continue
             for line in label.read_text().splitlines():
@@ -123,7 +171,7 @@ def check_polygons(data: dict, splits: tuple[str, ...] = ("val",)) -> None:
                 polygons += n > 5
                 boxes += n == 5
         if polygons == 0:
-            where = Path(img2label_paths(images[:1])[0]).parent if images else entries[0]
+            where = labels[0].parent if labels else Path(str(data[split]))
             found = f"{boxes} box labels (class x y w h) and no polygons" if boxes else "no labels"
             raise QATError(f"the '{split}' labels of {data.get('yaml_file', 'the dataset')} ({where}) hold {found}; "
                            "segmentation needs polygon labels (class x1 y1 x2 y2 ...), e.g. upstream's "
@@ -135,6 +183,9 @@ def load_hyp(path: str | os.PathLike | None) -> dict | None:
     if path is None:
         return None
     path = Path(path)
+    if not path.is_file() and not path.parent.name and (TREE / HYPS / path.name).is_file():
+        path = TREE / HYPS / path.name  # a bare name, as in the reference's `--hyp hyp.scratch-high.yaml`
+        print(f"notice: --hyp {path.name} is not in the current folder; using {HYPS}/{path.name} of the YOLOv9 tree.")
     if not path.is_file():
         raise QATError(f"hyperparameter file not found: {path}; pass --hyp data/hyps/hyp.scratch-high.yaml or omit it.")
     hyp = yaml.safe_load(path.read_text())

@@ -52,6 +52,7 @@ def run_cli(main: Callable[[], object]) -> None:
         sys.exit(2)
     except KeyboardInterrupt:
         if not quiet:
-            print("error: interrupted; files already written are complete, nothing half-written was kept.",
+            from utils.qat.atomic import saved_summary
+            print(f"error: interrupted; {saved_summary()} (each file complete; nothing half-written was kept).",
                   file=sys.stderr)
         sys.exit(130)

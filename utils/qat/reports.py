@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from utils.qat.atomic import atomic_path, write_text
+from utils.qat.atomic import PARTIAL, atomic_file, write_text
 
 COLUMNS = ("AP", "AP50", "Precision", "Recall")
 SEG_GROUPS = ("Box", "Mask")
@@ -21,6 +21,28 @@ def run_dir(project: str | Path, name: str, exist_ok: bool) -> Path:
     except OSError as e:
         raise QATError(f"cannot create the results folder {path} ({e.strerror or e}); pass a writable --project.") from e
     return path
+
+
+def previous_run(run_dir: Path, stem: str) -> list[Path]:
+    """The files ``qat.py quantize`` of the weights ``stem`` wrote in ``run_dir``: its reports, checkpoints
+    (``ptq_*``, ``qat_ep_*``, ``qat_best_*``) and any temporary file a killed run left behind."""
+    run_dir, weights = Path(run_dir), Path(run_dir) / "weights"
+    files = [run_dir / n for n in ("report.json", "report.md", "qat_ap.png")]
+    for pattern in (f"ptq_ap_*_{stem}.pt", f"ptq_{stem}.pt", f"qat_ep_*_ap_*_{stem}.pt", f"qat_best_{stem}.pt",
+                    PARTIAL):
+        files += sorted(weights.glob(pattern))
+    return [p for p in files + sorted(run_dir.glob(PARTIAL)) if p.is_file()]
+
+
+def replace_previous_run(run_dir: Path, stem: str) -> None:
+    """Remove what an earlier quantize of the same weights left in a reused run folder (``--exist-ok``), so
+    that report.json and the checkpoints present always belong to one run."""
+    old = previous_run(run_dir, stem)
+    for p in old:
+        p.unlink(missing_ok=True)
+    if old:
+        print(f"notice: {run_dir} held an earlier run of {stem} (--exist-ok): removed its {len(old)} files "
+              f"({', '.join(p.name for p in old[:4])}{', ...' if len(old) > 4 else ''}).")
 
 
 def entry(name: str, weights: str | Path | None, metrics, seconds: float, **extra) -> dict:
@@ -148,8 +170,8 @@ def plot_epochs(path: Path, epochs: list[dict], rows: list[dict]) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png")
+    with atomic_file(path) as f:
+        fig.savefig(f, format="png")
     plt.close(fig)
 
 
@@ -168,6 +190,6 @@ def plot_sensitivity(path: Path, layers: list[dict], baseline: float | None, top
     ax.set_xlabel("layer kept in FP (model.model index)")
     ax.set_ylabel("mAP50-95")
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png")
+    with atomic_file(path) as f:
+        fig.savefig(f, format="png")
     plt.close(fig)

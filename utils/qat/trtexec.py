@@ -451,6 +451,8 @@ def get_args_parser() -> argparse.ArgumentParser:
 
 
 def main(args: argparse.Namespace) -> None:
+    from utils.qat.validate import check_args
+    check_args(args)
     args.func(args)
 
 
