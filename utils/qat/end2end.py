@@ -19,7 +19,7 @@ with K = ``topk_all``. Two back-ends give the same names, shapes and dtypes:
   plugin library to pass.
 - ``trt``: TensorRT's ``EfficientNMS_TRT`` plugin, domain ``TRT`` (deprecated since TensorRT 10.12:
   "use INMSLayer instead"; still in 11, as a deprecated V2 plugin). Segmentation: ``EfficientNMSX_TRT``,
-  which is NOT in NVIDIA's plugin library (it comes from third-party plugin builds, e.g. DeepStream-Yolo's;
+  which is NOT in NVIDIA's plugin library (it comes from third-party plugin builds used with DeepStream;
   engines need that library: ``--plugins``), plus ``ROIAlign_TRT`` version 2. TensorRT's ONNX parser maps
   an op of another domain to the registered plugin of that name, ``plugin_version`` and
   ``plugin_namespace``. No CPU runtime implements these plugins; ONNX Runtime cannot run such a graph.

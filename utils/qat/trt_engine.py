@@ -42,8 +42,8 @@ END2END_OUTPUTS = ("num_dets", "det_boxes", "det_scores", "det_classes")
 METADATA_SUFFIX = ".json"  # the sidecar of X.engine is X.engine.json
 LAYER_INFO_SUFFIX = ".layer.json"  # X.engine.layer.json, as trtexec --exportLayerInfo names it here
 #: Plugins that TensorRT's own plugin library (libnvinfer_plugin) does not provide.
-THIRD_PARTY_PLUGINS = {"EfficientNMSX_TRT": "a third-party build (e.g. DeepStream-Yolo's or TensorRT-YOLO's plugin "
-                                            "library), not NVIDIA's plugin library"}
+THIRD_PARTY_PLUGINS = {"EfficientNMSX_TRT": "third-party plugin builds (such as those DeepStream YOLO setups "
+                                            "compile), not NVIDIA's plugin library"}
 #: ONNX ops that TensorRT's ONNX parser imports as a plugin of its own (name, version): RoiAlign is ROIAlign_TRT
 #: version 2 (IPluginV3) since TensorRT 10.1 (onnx-tensorrt onnxOpImporters.cpp, DEFINE_BUILTIN_OP_IMPORTER(RoiAlign)).
 PARSER_PLUGINS = {"RoiAlign": ("ROIAlign_TRT", "2")}
