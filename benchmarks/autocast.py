@@ -14,6 +14,12 @@ Run from the top of a patched YOLOv9 tree:
 ONNX Runtime on the CPU runs FP16 operators it has no FP16 kernel for in FP32 between Casts it inserts
 itself, so the FP16 graph's numbers include FP16 rounding at every tensor the graph stores in FP16, not
 FP16 arithmetic inside the kernels (TensorRT's FP16 kernels accumulate in FP32 too).
+
+``--diagnose`` (detection models) also scores, to tell what moves the difference: AutoCast keeping Q/DQ in FP32
+(``op_types_to_exclude``: FP32 scales, Casts between DQ and Conv), and the FP32+INT8 graph with only its Q/DQ
+scales changed, rounded to FP16 values or multiplied by 1 + u (u uniform in +-2^-11, FP16's relative
+precision) for each ``--seeds`` value. The old converter (``to_half``) is in git history
+(utils/qat/onnx_export.py before this benchmark was added).
 """
 from __future__ import annotations
 
@@ -55,7 +61,44 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--num-image", type=int, default=None, help="score the first N val images only")
     p.add_argument("--out", required=True, help="folder for autocast.json / autocast.md and the two ONNX files")
+    p.add_argument("--diagnose", action="store_true", help="also the Q/DQ-FP32 AutoCast and scale perturbations")
+    p.add_argument("--seeds", default="1,2", help="seeds of the random scale perturbations (default 1,2)")
     return p
+
+
+def diagnose(fp32: Path, out: Path, data: dict, args: argparse.Namespace) -> dict:
+    """mAP50-95 of the diagnostic graphs (see the module docstring), by name."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    from modelopt.onnx.autocast import convert_to_mixed_precision
+
+    def score(model: onnx.ModelProto, name: str) -> float:
+        path = out / f"diagnose-{name}.onnx"
+        onnx.save(model, str(path))
+        m = evaluate(ORTBackend(path, "cpu"), data, imgsz=args.imgsz, batch_size=args.batch_size,
+                     workers=args.workers, num_images=args.num_image, desc=name)
+        return round(float(m.mAP50_95), 6)
+
+    def scaled(fn) -> onnx.ModelProto:
+        m = onnx.load(str(fp32))
+        inits = {t.name: t for t in m.graph.initializer}
+        for name in sorted({n.input[1] for n in m.graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")}):
+            t = inits[name]
+            t.CopyFrom(numpy_helper.from_array(fn(numpy_helper.to_array(t).astype(np.float32)), name))
+        return m
+
+    npz = out / "diagnose-inputs.npz"
+    np.savez(npz, images=np.random.default_rng(0).random((1, 3, args.imgsz, args.imgsz), dtype=np.float32))
+    res = {"autocast_qdq_fp32": score(convert_to_mixed_precision(
+        str(fp32), "fp16", keep_io_types=True, calibration_data=str(npz),
+        op_types_to_exclude=["QuantizeLinear", "DequantizeLinear"]), "autocast_qdq_fp32")}
+    res["fp16round_0"] = score(scaled(lambda a: a.astype(np.float16).astype(np.float32)), "fp16round")
+    for seed in (int(x) for x in args.seeds.split(",") if x):
+        rng = np.random.default_rng(seed)
+        res[f"random_{seed}"] = score(scaled(lambda a: (a * (1 + rng.uniform(-2 ** -11, 2 ** -11, a.shape)))
+                                             .astype(np.float32)), f"random{seed}")
+    return res
 
 
 def graph_facts(path: Path, allow_fp: list[str]) -> dict:
@@ -119,10 +162,11 @@ def main(args: argparse.Namespace) -> dict:
         results[name] = {**facts, "metrics": exact, "row": row, "export_seconds": round(export_s, 1),
                          "eval_seconds": round(eval_s, 1), "export_opset": rep["opset"]}
         print(f"{name}: {exact}  lint: {facts['lint']}  conv inputs: {facts['conv_feeds']['input']}")
+    diag = diagnose(out / f"{stem}-fp32.onnx", out, data, args) if args.diagnose and task == "detect" else None
     a, b = (results[n]["metrics"] for n, _ in VARIANTS)
     delta = {k: round(b[k] - a[k], 6) for k in a}
     doc = {"weights": str(args.weights), "task": task, "imgsz": args.imgsz, "data": str(args.data),
-           "images": m.images, "variants": results, "delta_fp16_minus_fp32": delta,
+           "images": m.images, "variants": results, "delta_fp16_minus_fp32": delta, "diagnose": diag,
            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
                        "torch": torch.__version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__,
                        "modelopt": _version("nvidia-modelopt"), "yolov9_qat": __version__}}
