@@ -55,6 +55,7 @@ if [ "${trt_version%%.*}" -ge 11 ] 2>/dev/null; then
     half_flag=(--half)
 fi
 
+echo "exporting $onnx_file for TensorRT ${trt_version:-?}: python3 export_qat.py --weights $weights --include onnx --dynamic --simplify --imgsz $img_size ${half_flag[*]}"
 python3 export_qat.py --weights "$weights" --include onnx --dynamic --simplify --imgsz "$img_size" "${half_flag[@]}"
 [ -f "$onnx_file" ] || die "export_qat.py did not write $onnx_file; see its output above."
 

@@ -364,6 +364,30 @@ def test_val_trt_sh_fails_clearly_without_tensorrt(tmp_path):
     assert not (tmp_path / "qat_best.onnx").exists()  # failed before the export
 
 
+def test_val_trt_sh_exports_half_for_tensorrt_11(tmp_path):
+    """TensorRT 11 builds strongly typed only: the parts that are not quantized run in FP16 only when the ONNX says
+    so, so val_trt.sh exports with --half there (and not on 10). A stand-in trtexec and tensorrt package answer
+    the version check; the export itself then fails on the dummy checkpoint, after the command was printed."""
+    weights = tmp_path / "qat_best.pt"
+    weights.write_bytes(b"not a checkpoint")
+    data = tmp_path / "coco.yaml"
+    data.write_text("val: images\n")
+    pkg = tmp_path / "site" / "tensorrt"
+    pkg.mkdir(parents=True)
+    for version, tag, half in (("11.1.0", "110100", True), ("10.13.0", "101300", False)):
+        (pkg / "__init__.py").write_text(f"__version__ = {version!r}\nBuilder = object\n")
+        exe = tmp_path / "bin" / "trtexec"
+        exe.parent.mkdir(exist_ok=True)
+        exe.write_text(f"#!/bin/sh\necho '&&&& RUNNING TensorRT.trtexec [TensorRT v{tag}] # trtexec --help'\n")
+        exe.chmod(0o755)
+        env = _env(TRTEXEC=str(exe), PYTHONPATH=str(tmp_path / "site"))
+        r = _bash("val_trt.sh", str(weights), str(data), "640", env=env)
+        line = next((x for x in r.stdout.splitlines() if x.startswith("exporting")), "")
+        assert f"for TensorRT {version[:-2]}" in line or f"for TensorRT {version}" in line, r.stdout + r.stderr
+        assert line.rstrip().endswith("--half") == half, line
+        assert r.returncode != 0  # the dummy checkpoint
+
+
 @pytest.mark.skipif(not os.environ.get("YOLOV9_DIR"), reason="needs YOLOV9_DIR (a YOLOv9 tree) to patch")
 def test_scripts_in_a_patched_tree(tmp_path):
     """From the top of a patched YOLOv9 tree (upstream's utils/ package + the overlay's utils/qat).

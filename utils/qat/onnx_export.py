@@ -525,7 +525,9 @@ def format_report(report: dict) -> str:
                      f"{report['int8_weights']} weights stored as INT8")
     if report["end2end"]:
         e = report["end2end"]
-        plugin = "EfficientNMS_TRT plugin" if e["backend"] == "trt" else "ONNX NonMaxSuppression"
+        seg = report.get("metadata", {}).get("task") == "segment"
+        plugin = (("EfficientNMSX_TRT plugin (third-party, not in TensorRT)" if seg else "EfficientNMS_TRT plugin")
+                  if e["backend"] == "trt" else "ONNX NonMaxSuppression (TensorRT's native NMS layer)")
         lines.append(f"  End2End: {plugin}, topk {e['topk_all']}, iou {e['iou_thres']}, conf {e['conf_thres']}"
                      + (", class-agnostic" if e["class_agnostic"] else ""))
     if report["lint"] is not None:
