@@ -66,18 +66,14 @@ def graph_io(onnx_path: Path) -> tuple[str, list[int | None], list[str]]:
     plugins = sorted({n.op_type for n in model.graph.node if n.domain not in ("", "ai.onnx")})
     if plugins:
         raise QATError(f"{onnx_path} holds TensorRT plugin nodes ({', '.join(plugins)}) that ONNX Runtime cannot run; "
-                       f"compare the plain export (export_qat.py --include onnx) or an End2End graph with --nms onnx.")
+                       f"compare the plain export (export_qat.py --include onnx).")
     outputs = [o.name for o in model.graph.output]
     if "num_dets" in outputs:
         raise QATError(f"{onnx_path} is an End2End graph, whose ranked detection lists differ between NMS "
                        f"implementations element by element; compare the plain export (export_qat.py --include onnx).")
-    inits = {i.name for i in model.graph.initializer}
-    inputs = [i for i in model.graph.input if i.name not in inits]
-    if len(inputs) != 1:
-        raise QATError(f"{onnx_path} has {len(inputs)} inputs; expected one image input: re-export it with export_qat.py.")
-    dims = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None
-            for d in inputs[0].type.tensor_type.shape.dim]
-    return inputs[0].name, dims, outputs
+    from utils.qat.trtexec import image_input
+    name, dims = image_input(model, onnx_path)
+    return name, dims, outputs
 
 
 def make_inputs(dims: Sequence[int | None], *, batch: int, imgsz: int, images: Path | None, seed: int = 0) -> np.ndarray:

@@ -326,11 +326,15 @@ def _onnx_input(onnx: Path) -> tuple[str, list[int | None]]:
         import onnx as onnx_pkg
     except ImportError:
         return "images", [None, 3, None, None]
-    model = onnx_pkg.load(str(onnx), load_external_data=False)
+    return image_input(onnx_pkg.load(str(onnx), load_external_data=False), onnx)
+
+
+def image_input(model: Any, source: PathLike = "the ONNX") -> tuple[str, list[int | None]]:
+    """Name and dims (None = dynamic) of a loaded ONNX model's one image input."""
     inits = {i.name for i in model.graph.initializer}
     inputs = [i for i in model.graph.input if i.name not in inits]
     if len(inputs) != 1:
-        raise QATError(f"{onnx} has {len(inputs)} inputs; expected one image input: re-export it with export_qat.py.")
+        raise QATError(f"{source} has {len(inputs)} inputs; expected one image input: re-export it with export_qat.py.")
     dims = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None
             for d in inputs[0].type.tensor_type.shape.dim]
     return inputs[0].name, dims
