@@ -3,14 +3,18 @@
     python3 export_qat.py --weights runs/qat/yolov9_qat/weights/qat_best_yolov9-c.pt --include onnx --dynamic --simplify --inplace
     python3 export_qat.py --weights runs/qat/yolov9_qat/weights/qat_best_yolov9-c.pt --include onnx_end2end
     python3 export_qat.py --weights yolov9-c-converted.pt --include onnx --half      # the FP16 baseline
+    python3 export_qat.py --weights runs/qat/yolov9_qat/weights/qat_best_yolov9-c.pt --include onnx --half  # TensorRT 11
 
 --include onnx          W.onnx: input `images` (B x 3 x H x W), output `output0` (B x (4 + classes) x anchors;
                         `output1` prototypes for segmentation), Q/DQ nodes for quantized checkpoints.
 --include onnx_end2end  W-end2end.onnx: NMS inside, outputs num_dets, det_boxes, det_scores, det_classes
-                        (segmentation: det_masks); --nms trt (EfficientNMS_TRT plugin, default) or
-                        --nms onnx (standard NonMaxSuppression: TensorRT's native NMS layer, and ONNX Runtime).
---half                  the floating-point parts of the graph in FP16 (TensorRT 11 builds strongly typed
-                        networks and takes FP16 from the ONNX); Q/DQ, inputs and outputs stay FP32.
+                        (segmentation: det_masks); --nms onnx (default: standard NonMaxSuppression, TensorRT's
+                        native NMS layer, and ONNX Runtime) or --nms trt (the EfficientNMS_TRT plugin, deprecated
+                        since TensorRT 10.12; segmentation: EfficientNMSX_TRT, a third-party plugin that is not
+                        part of TensorRT: engines need its library, --plugins).
+--half                  the floating-point parts of the graph in FP16, converted by NVIDIA ModelOpt AutoCast
+                        (TensorRT 11 builds strongly typed networks and takes FP16 from the ONNX); inputs and
+                        outputs stay FP32; a Q/DQ graph moves to opset 19 (FP16 scales, DQ -> Conv).
 --inplace               accepted for upstream export.py compatibility: sets the Detect head's `inplace`
                         attribute (YOLOv9's heads compute the same either way).
 --check / --no-check    Q/DQ lint of the result (on by default for quantized checkpoints); findings that
@@ -28,7 +32,7 @@ from pathlib import Path  # noqa: E402
 from utils.qat.errors import QATError, run_cli  # noqa: E402
 
 INCLUDE = {"onnx": ".onnx", "onnx_end2end": "-end2end.onnx"}
-NMS_BACKENDS = ("trt", "onnx")
+NMS_BACKENDS = ("onnx", "trt")
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -45,14 +49,16 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--dynamic", action="store_true", help="dynamic batch, height and width")
     p.add_argument("--simplify", action="store_true", help="simplify with onnxslim (Q/DQ nodes preserved)")
     p.add_argument("--opset", type=int, default=17, help="ONNX opset (default: 17)")
-    p.add_argument("--half", action="store_true", help="FP16 for the non-quantized parts of the graph")
+    p.add_argument("--half", action="store_true",
+                   help="FP16 for the non-quantized parts of the graph (ModelOpt AutoCast; for TensorRT 11)")
     p.add_argument("--inplace", action="store_true",
                    help="set the Detect head's inplace attribute (upstream export.py's flag; same graph either way)")
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=None,
                    help="Q/DQ lint of the result, non-zero exit on findings (default: on for quantized checkpoints)")
     e = p.add_argument_group("End2End (--include onnx_end2end)")
-    e.add_argument("--nms", choices=NMS_BACKENDS, default="trt",
-                   help="trt: EfficientNMS_TRT plugin (default); onnx: standard NonMaxSuppression")
+    e.add_argument("--nms", choices=NMS_BACKENDS, default="onnx",
+                   help="onnx: standard NonMaxSuppression, TensorRT's native NMS layer (default); trt: the "
+                        "EfficientNMS_TRT plugin (deprecated since TensorRT 10.12)")
     e.add_argument("--topk-all", type=int, default=100, help="detections kept per image (default: 100)")
     e.add_argument("--iou-thres", type=float, default=0.45, help="NMS IoU threshold (default: 0.45)")
     e.add_argument("--conf-thres", type=float, default=0.25, help="score threshold (default: 0.25)")
@@ -89,6 +95,13 @@ def main(args: argparse.Namespace) -> list[dict]:
                        f"segmentation model; use --include onnx.")
     model, task, quantized, fp_patterns = load_for_export(weights, ckpt)
     del ckpt
+    if "onnx_end2end" in args.include and args.nms == "trt":
+        from utils.qat.trt_engine import THIRD_PARTY_PLUGINS
+        plugin = "EfficientNMSX_TRT" if task == "segment" else "EfficientNMS_TRT"
+        where = (f"it is not part of TensorRT (it comes from {THIRD_PARTY_PLUGINS[plugin]}): pass that library to "
+                 f"the engine build and runner with --plugins" if plugin in THIRD_PARTY_PLUGINS
+                 else "deprecated since TensorRT 10.12, TensorRT's native NMS layer (--nms onnx) replaces it")
+        print(f"notice: --nms trt uses the {plugin} plugin; {where}.")
     stride = int(max(model.stride.tolist())) if hasattr(model, "stride") else 32
     imgsz = parse_imgsz(args.imgsz, stride, flag="--imgsz")
     device = select_device(args.device)

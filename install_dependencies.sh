@@ -8,7 +8,9 @@ set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd -P)
 readonly HERE
-readonly TREX_URL="git+https://github.com/NVIDIA/TensorRT.git#subdirectory=tools/experimental/trt-engine-explorer"
+# TREx was removed from NVIDIA/TensorRT in 11.1 (its README: replaced by Nsight Deep Learning Designer); v11.0 is
+# the last tag that ships it (TREx 0.2.1). It reads TensorRT 10 engine layer information only.
+readonly TREX_URL="git+https://github.com/NVIDIA/TensorRT.git@v11.0#subdirectory=tools/experimental/trt-engine-explorer"
 readonly NVIDIA_INDEX="https://pypi.nvidia.com"
 readonly TRT_STUBS="tensorrt-stubs"
 PROG=${0##*/}
@@ -31,8 +33,9 @@ options:
   --tensorrt    also install the TensorRT Python wheels matching the CUDA of the installed torch
                 (tensorrt-cu12, tensorrt-cu13, ... from $NVIDIA_INDEX), unless TensorRT is
                 already present (e.g. in an NGC container)
-  --trex        also install TensorRT Engine Explorer (trex, for engine graphs; optional) from
-                github.com/NVIDIA/TensorRT
+  --trex        also install TensorRT Engine Explorer (trex 0.2.1, for engine graphs of TensorRT 10;
+                optional) from github.com/NVIDIA/TensorRT at tag v11.0, the last that ships it
+                (TensorRT 11.1 removed it; Nsight Deep Learning Designer replaces it)
   --python PY   the Python interpreter to install for (default: python3)
   --dry-run     print the pip commands instead of running them
   -h, --help    show this help

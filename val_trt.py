@@ -57,6 +57,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--report", default=None,
                    help="also add this result as a row to a qat.py report.json (and rewrite its report.md)")
     p.add_argument("--report-name", default=None, help="row name for --report (default: the runtime name)")
+    p.add_argument("--plugins", action="append", default=[], metavar="LIB.so",
+                   help="TensorRT plugin library the engine needs (repeatable), e.g. one providing EfficientNMSX_TRT")
     return p
 
 
@@ -90,7 +92,8 @@ def make_backend(args: argparse.Namespace):
             raise QATError(f"engine file {source} not found; build it with scripts/generate_trt_engine.sh ONNX ENGINE.")
         trt_version()  # a QATError naming the install command when TensorRT is missing
         device = (args.device or "cuda:0").strip()
-        return TRTBackend(source, f"cuda:{device}" if device.isdigit() else device), source, "TensorRT"
+        return (TRTBackend(source, f"cuda:{device}" if device.isdigit() else device, plugins=args.plugins), source,
+                "TensorRT")
     if args.engine_file:
         raise QATError("--backend onnxruntime runs ONNX graphs, not TensorRT engines: pass --onnx X.onnx.")
     from utils.qat.backends import ORTBackend

@@ -6,9 +6,10 @@
     python3 scripts/benchmark_trt.py --from-logs runs/benchmark_trt/logs   # re-render saved logs
 
 Each model is an ONNX (an engine is built per batch: min 1, opt = max = batch, as in the reference
-README; TensorRT-version-aware precision flags) or an engine (``--loadEngine`` + ``--shapes``). Every
-run uses ``--warmUp=500 --duration=10 --useCudaGraph --useSpinWait --noDataTransfers``; its full
-output is kept in OUT/logs/LABEL_bN.log. Writes OUT/results.json, OUT/results.md (latency p99,
+README; TensorRT-version-aware precision flags; a static-shape ONNX runs at its own batch, with no shape
+flags) or an engine (``--loadEngine`` + ``--shapes``). Every run uses ``--warmUp=500 --duration=10`` (and,
+before TensorRT 11, where they became the defaults, ``--useCudaGraph --useSpinWait --noDataTransfers``);
+its full output is kept in OUT/logs/LABEL_bN.log. Writes OUT/results.json, OUT/results.md (latency p99,
 throughput, IPS per batch and the INT8 vs FP16 change) and OUT/ips.png.
 """
 from __future__ import annotations
@@ -24,9 +25,9 @@ if str(ROOT) not in sys.path:
 
 from utils.qat.bench_report import build_results, collect_logs, log_name, render_markdown, write_report  # noqa: E402
 from utils.qat.errors import QATError, run_cli  # noqa: E402
+from utils.qat.trtexec import (_onnx_input, benchmark_command, find_trtexec, parse_trtexec_output,  # noqa: E402
+                               run_trtexec, trtexec_version, version_tuple)
 from utils.qat.validate import check_args  # noqa: E402
-from utils.qat.trtexec import (benchmark_command, find_trtexec, parse_trtexec_output, run_trtexec,  # noqa: E402
-                               trtexec_version, version_tuple)
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -39,6 +40,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup", type=int, default=500, help="trtexec --warmUp in ms (default 500)")
     ap.add_argument("--duration", type=int, default=10, help="trtexec --duration in s (default 10)")
     ap.add_argument("--strongly-typed", action="store_true", help="TensorRT 10: build ONNX strongly typed")
+    ap.add_argument("--plugins", action="append", default=[], metavar="LIB.so",
+                    help="plugin library for trtexec --staticPlugins (repeatable)")
     ap.add_argument("--out", default=None, help="output folder (default runs/benchmark_trt, or the parent of "
                                                 "--from-logs)")
     ap.add_argument("--from-logs", default=None, help="re-render the tables from saved LABEL_bN.log files")
@@ -51,6 +54,18 @@ def _fixed_batch(engine: Path) -> int | None:
     from utils.qat.trt_engine import read_engine_metadata
     b = read_engine_metadata(engine).get("batch") or {}
     return int(b["min"]) if b.get("min") is not None and b.get("min") == b.get("max") else None
+
+
+def _static_batch(onnx: Path) -> int | None:
+    """The batch of a fully static ONNX (trtexec takes no shape flags for it), else None."""
+    try:
+        _name, dims = _onnx_input(onnx)
+    except QATError:
+        raise
+    except Exception as e:  # onnx raises its own types for files that are not ONNX
+        raise QATError(f"{onnx} is not a readable ONNX file ({type(e).__name__}); pass the file export_qat.py wrote.")
+    batch = dims[0] if dims else None
+    return batch if batch is not None and all(d is not None for d in dims) else None
 
 
 def main(args: argparse.Namespace) -> None:
@@ -74,6 +89,11 @@ def main(args: argparse.Namespace) -> None:
         if version_tuple(version)[0] >= 11 and any(s.suffix == ".onnx" for _, s, int8 in models if not int8):
             print("note: TensorRT 11 is strongly typed: the FP16 baseline ONNX must be exported with --half, "
                   "or it runs in FP32.", file=sys.stderr)
+        static = {src: _static_batch(src) for _, src, _ in models if src.suffix == ".onnx"}
+        for src, sb in static.items():
+            if sb is not None and any(b != sb for b in args.batch):
+                raise QATError(f"{src} is a static-shape ONNX with batch {sb}, so it cannot run batch "
+                               f"{next(b for b in args.batch if b != sb)}: pass --batch {sb}, or export with --dynamic.")
         out = Path(args.out or "runs/benchmark_trt")
         logs = out / "logs"
         runs = {}
@@ -85,15 +105,20 @@ def main(args: argparse.Namespace) -> None:
         except ImportError:
             progress = jobs
         for label, src, int8, b in progress:
-            if src.suffix != ".onnx":
+            shape: tuple[int, int, int] | None = (3, args.imgsz, args.imgsz)
+            if src.suffix == ".onnx":
+                if static[src] is not None:
+                    shape = None  # trtexec: "Static model does not take explicit shapes"
+            else:
                 fixed = _fixed_batch(src)
                 if fixed is not None and fixed != b:
                     raise QATError(f"{src} has a fixed batch of {fixed}, so it cannot run batch {b}: pass the ONNX "
                                    f"(an engine is then built per batch) or --batch {fixed}.")
-            cmd = benchmark_command(src, batch=b, version=version, shape=(3, args.imgsz, args.imgsz),
+            cmd = benchmark_command(src, batch=b, version=version, shape=shape,
                                     input_name=args.input_name, int8=int8, fp16=True,
                                     strongly_typed=args.strongly_typed, warmup=args.warmup, duration=args.duration,
-                                    timing_cache=out / f"{label}.timing.cache", trtexec=trtexec)
+                                    timing_cache=out / f"{label}.timing.cache", plugins=args.plugins,
+                                    trtexec=trtexec)
             if args.dry_run:
                 print(shlex.join(cmd))
                 continue

@@ -3,7 +3,9 @@
 #
 #   ./scripts/val_trt.sh <weights> <data yaml> <image_size> [--generate-graph]
 #
-# 1. exports W.onnx (python3 export_qat.py --weights W --include onnx --dynamic --simplify --imgsz N),
+# 1. exports W.onnx (python3 export_qat.py --weights W --include onnx --dynamic --simplify --imgsz N; on
+#    TensorRT 11, which builds strongly typed networks only, with --half: FP16 for the parts that are not
+#    quantized comes from the ONNX there, converted by ModelOpt AutoCast),
 # 2. builds W.engine with scripts/generate_trt_engine.sh (trtexec, TensorRT-version-aware flags),
 # 3. with --generate-graph: also exports the layer info and profile and renders W.engine.svg
 #    (TREx when installed: ./install_dependencies.sh --trex; a plain Graphviz drawing otherwise),
@@ -47,10 +49,16 @@ engine="$base.engine"
 cd "$ROOT"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
-# Fail before the (long) export when TensorRT is not usable here.
-python3 -m utils.qat.trtexec check >/dev/null
+# Fail before the (long) export when TensorRT is not usable here; trtexec's version picks the export.
+trt_info=$(python3 -m utils.qat.trtexec check)
+trt_version=$(printf '%s\n' "$trt_info" | sed -n 's/^trtexec version: //p')
+half_flag=()
+if [ "${trt_version%%.*}" -ge 11 ] 2>/dev/null; then
+    half_flag=(--half)
+fi
 
-python3 export_qat.py --weights "$weights" --include onnx --dynamic --simplify --imgsz "$img_size"
+echo "exporting $onnx_file for TensorRT ${trt_version:-?}: python3 export_qat.py --weights $weights --include onnx --dynamic --simplify --imgsz $img_size ${half_flag[*]}"
+python3 export_qat.py --weights "$weights" --include onnx --dynamic --simplify --imgsz "$img_size" "${half_flag[@]}"
 [ -f "$onnx_file" ] || die "export_qat.py did not write $onnx_file; see its output above."
 
 graph_flag=()

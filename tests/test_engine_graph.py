@@ -2,9 +2,11 @@
 
 The fixtures are WRITTEN FROM THE DOCUMENTED FORMAT of ``trtexec --exportLayerInfo`` /
 IEngineInspector with ``--profilingVerbosity=detailed`` (TensorRT 10 "Bindings", TensorRT 11
-"I/O Tensors"), not captured from an engine: TensorRT cannot be installed here. The summary, the
-DOT text and (where Graphviz's ``dot`` is installed) the SVG are produced for real; TREx is not
-installed here, so its path is exercised against a stand-in ``trex`` module that records the calls.
+"I/O Tensors", its layer tensors with ``Format`` and ``DataType`` split as the 11.0 migration overview
+announces), not captured from an engine: TensorRT cannot be installed here. The summary, the DOT text and
+(where Graphviz's ``dot`` is installed) the SVG are produced for real; TREx is not installed here, so its
+path is exercised against a stand-in ``trex`` package laid out as TREx 0.1.8+ is (``to_dot``,
+``render_dot`` and ``layer_type_formatter`` in ``trex.graphing``, not at the top level).
 """
 from __future__ import annotations
 
@@ -97,8 +99,12 @@ def test_render_without_dot_binary_keeps_the_dot_file(tmp_path, monkeypatch):
     assert "Graphviz `dot` is not installed" in res.message and "apt-get install graphviz" in res.message
 
 
-def _stand_in_trex(calls: list, fail: bool = False) -> types.ModuleType:
+def _stand_in_trex(calls: list, fail: bool = False) -> tuple[types.ModuleType, types.ModuleType]:
+    """``trex`` and ``trex.graphing`` as TREx 0.1.8-0.2.1 lay them out: EnginePlan at the top level (trex/__init__.py
+    imports engine_plan), the graphing functions only in trex.graphing."""
     trex = types.ModuleType("trex")
+    trex.__path__ = []  # a package
+    graphing = types.ModuleType("trex.graphing")
 
     class EnginePlan:
         def __init__(self, graph_file, profiling_file=None):
@@ -118,25 +124,54 @@ def _stand_in_trex(calls: list, fail: bool = False) -> types.ModuleType:
         Path(f"{engine_name}.{output_format}").write_text("<svg/>")
         return f"{engine_name}.{output_format}"
 
-    trex.EnginePlan, trex.layer_type_formatter, trex.to_dot, trex.render_dot = (
-        EnginePlan, layer_type_formatter, to_dot, render_dot)
-    return trex
+    trex.EnginePlan = EnginePlan
+    graphing.layer_type_formatter, graphing.to_dot, graphing.render_dot = layer_type_formatter, to_dot, render_dot
+    trex.graphing = graphing
+    return trex, graphing
+
+
+def _install_trex(monkeypatch, calls: list, fail: bool = False) -> None:
+    trex, graphing = _stand_in_trex(calls, fail)
+    monkeypatch.setitem(sys.modules, "trex", trex)
+    monkeypatch.setitem(sys.modules, "trex.graphing", graphing)
 
 
 def test_render_with_trex_api(tmp_path, monkeypatch):
     calls: list = []
-    monkeypatch.setitem(sys.modules, "trex", _stand_in_trex(calls))
+    _install_trex(monkeypatch, calls)
     monkeypatch.setattr(eg.shutil, "which", lambda name: "/usr/bin/dot")
     res = eg.render_graph(LAYERS10, tmp_path / "g.svg", PROFILE)
     assert res.renderer == "trex" and res.svg == tmp_path / "g.svg" and res.svg.read_text() == "<svg/>"
     assert calls[0] == ("EnginePlan", str(LAYERS10), str(PROFILE))
     assert calls[1][0] == "to_dot" and calls[1][1] is True
     assert calls[2] == ("render_dot", "graph", str(tmp_path / "g"), "svg")
-    # TREx failing on a schema it does not know: fall back to the plain drawing and say why
-    monkeypatch.setitem(sys.modules, "trex", _stand_in_trex([], fail=True))
+    # TREx failing on a plan: fall back to the plain drawing and say why
+    _install_trex(monkeypatch, [], fail=True)
     monkeypatch.setattr(eg.shutil, "which", lambda name: None if name == "dot" else shutil.which(name))
-    res = eg.render_graph(LAYERS11, tmp_path / "h.svg", PROFILE)
+    res = eg.render_graph(LAYERS10, tmp_path / "h.svg", PROFILE)
     assert res.renderer == "none" and "TREx needs Graphviz" in res.message
+
+
+def test_trex_is_not_used_on_tensorrt_11_layer_json(tmp_path, monkeypatch):
+    """TREx reads 'Bindings' and 'Format/Datatype' only, and left TensorRT in 11.1: the plain drawing, and the
+    message names what replaces it."""
+    calls: list = []
+    _install_trex(monkeypatch, calls)
+    monkeypatch.setattr(eg.shutil, "which", lambda name: "/usr/bin/dot" if name == "dot" else None)
+    monkeypatch.setattr(eg, "_render_with_dot", lambda dot, svg: None)
+    res = eg.render_graph(LAYERS11, tmp_path / "g.svg")
+    assert calls == [] and res.renderer == "graphviz"
+    assert "TREx reads TensorRT 10 layer information only" in res.message and "Nsight Deep Learning Designer" in res.message
+
+
+def test_tensorrt_11_split_datatype_fields():
+    doc = eg.load_layer_info(LAYERS11)
+    tensors = [t for lay in doc["Layers"] if isinstance(lay, dict) for t in lay.get("Outputs", [])]
+    assert tensors and not any("Format/Datatype" in t for t in tensors) and all("DataType" in t for t in tensors)
+    assert eg.tensor_dtype({"Format": "Thirty-two wide channel vectorized row major format", "DataType": "Int8"}) == "INT8"
+    assert eg.tensor_dtype({"Format/Datatype": "Channel major FP16 format where channel % 8 == 0"}) == "FP16"
+    assert eg.tensor_dtype({"Format": "Row major linear FP32 format (kLINEAR)"}) == "FP32"
+    assert eg.tensor_dtype({"Format": "Row major linear format"}) == "unknown"
 
 
 def test_names_only_layer_info(tmp_path, monkeypatch):

@@ -202,7 +202,11 @@ def test_qat_reference_command_plain(qat_plain_cli, qat_model, images):
 
 
 def test_half_fp_and_qat(fp_model, qat_model, work, images):
+    """--half is NVIDIA ModelOpt AutoCast: I/O stay FP32, FP initializers become FP16; on the Q/DQ graph the opset
+    is 19 with FP16 scales and every quantized Conv reads its input and weight straight from a DequantizeLinear (no
+    Cast in between: what ModelOpt keeps "for optimal TRT fusion"); the lint stays clean; outputs stay close."""
     from utils.qat.onnx_export import export_onnx
+    from utils.qat.onnx_qdq import conv_feeds
     qmodel, fp_patterns = qat_model
     for name, model, kw in (("fp", fp_model, {}), ("qat", qmodel, {"allow_fp": fp_patterns})):
         full, half = work / f"{name}-fp32.onnx", work / f"{name}-fp16.onnx"
@@ -220,11 +224,16 @@ def test_half_fp_and_qat(fp_model, qat_model, work, images):
             assert all(t.data_type == onnx.TensorProto.FLOAT16 for t in conv_w)
             assert os.path.getsize(half) < 0.6 * os.path.getsize(full)
         else:
-            assert rep["lint"]["total"] == 0 and rep["int8_weights"] == rep["quantized_conv"] > 100
-            scales = [t for t in m.graph.initializer if t.name in q_scale_inputs]
-            consts = [n for n in m.graph.node if n.op_type == "Constant" and n.output[0] in q_scale_inputs]
-            assert all(t.data_type == onnx.TensorProto.FLOAT for t in scales)
-            assert all(a.t.data_type == onnx.TensorProto.FLOAT for n in consts for a in n.attribute)
+            assert rep["opset"] == 19 and rep["lint"]["total"] == 0
+            assert rep["int8_weights"] == rep["quantized_conv"] > 100
+            scales = [t.data_type for t in m.graph.initializer if t.name in q_scale_inputs]
+            scales += [a.t.data_type for n in m.graph.node if n.op_type == "Constant" and n.output[0] in q_scale_inputs
+                       for a in n.attribute if a.name == "value"]
+            assert len(scales) == len(q_scale_inputs) and set(scales) == {onnx.TensorProto.FLOAT16}
+            feeds = conv_feeds(m)
+            assert feeds["input"]["DequantizeLinear -> Conv"] == rep["quantized_conv"]
+            assert feeds["weight"]["DequantizeLinear -> Conv"] == rep["quantized_conv"]
+            assert not any("Cast" in k for k in feeds["input"]) and not any("Cast" in k for k in feeds["weight"])
         ref = _run(full, images)["output0"]
         got = _run(half, images)["output0"]
         box = _confident_box_diff(got, ref)
@@ -232,8 +241,27 @@ def test_half_fp_and_qat(fp_model, qat_model, work, images):
               f"{np.abs(got - ref)[:, 4:].max():.4f}")
         if name == "fp":
             assert box < 1.0 and np.abs(got - ref)[:, 4:].max() < 0.01
-        else:  # FP16 rounding moves some activations across an INT8 rounding boundary: flips cascade
+        else:  # FP16 rounding (and FP16 scales) move some activations across an INT8 rounding boundary: flips cascade
             assert box < 5.0 and np.abs(got - ref)[:, 4:].max() < 0.15
+
+
+def test_half_without_autocast_packages_is_one_sentence(fp_model, work, monkeypatch):
+    import builtins
+
+    from utils.qat.errors import QATError
+    from utils.qat.onnx_export import export_onnx
+    real_import = builtins.__import__
+
+    def no_autocast(name, *args, **kwargs):
+        if name.startswith("modelopt.onnx"):
+            raise ImportError("No module named 'onnx_graphsurgeon'")
+        return real_import(name, *args, **kwargs)
+    monkeypatch.setattr(builtins, "__import__", no_autocast)
+    out = work / "no-autocast.onnx"
+    with pytest.raises(QATError) as e:
+        export_onnx(fp_model, out, imgsz=IMGSZ, half=True)
+    assert "onnx_graphsurgeon" in str(e.value) and "install_dependencies.sh" in str(e.value)
+    assert not out.exists()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -294,12 +322,14 @@ def test_end2end_onnx_qat_equals_plain_graph_plus_nms(qat_model, qat_plain_cli, 
 
 
 def test_end2end_trt_reference_command(yolov9_tree, qat_ckpt, work):
-    """export_qat.py --include onnx_end2end (reference README): an EfficientNMS_TRT plugin node."""
+    """export_qat.py --include onnx_end2end --nms trt (the reference README's graph): an EfficientNMS_TRT plugin
+    node, with a notice that the plugin is deprecated since TensorRT 10.12 (the default is --nms onnx)."""
     r = run_tool(yolov9_tree, "export_qat.py", "--weights", str(qat_ckpt), "--include", "onnx_end2end",
-                 "--imgsz", str(IMGSZ))
+                 "--imgsz", str(IMGSZ), "--nms", "trt")
     assert r.returncode == 0, r.stdout + r.stderr
     out = qat_ckpt.with_name(qat_ckpt.stem + "-end2end.onnx")
     assert out.is_file() and "EfficientNMS_TRT" in r.stdout and "Q/DQ lint: clean" in r.stdout
+    assert "deprecated since TensorRT 10.12" in r.stdout
     m = onnx.load(str(out))
     onnx.checker.check_model(m)
     nms = [n for n in m.graph.node if n.op_type == "EfficientNMS_TRT"]
@@ -346,6 +376,9 @@ def test_end2end_trt_options_and_segmentation_graph(yolov9_tree, work):
     assert "EfficientNMSX_TRT" in ops and "ROIAlign_TRT" in ops
     roi = {a.name: onnx.helper.get_attribute_value(a) for a in ops["ROIAlign_TRT"].attribute}
     assert roi["output_height"] == roi["output_width"] == r and roi["spatial_scale"] == pytest.approx(0.25)
+    assert roi["plugin_version"] == b"2"  # IPluginV3, since TensorRT 10.1; version 1 is deprecated (10.12)
+    from utils.qat.trt_engine import onnx_metadata
+    assert [p["name"] for p in onnx_metadata(trt_out)["plugins"]] == ["EfficientNMSX_TRT", "ROIAlign_TRT"]
     assert [o.name for o in g.output] == E2E_OUTPUTS + ["det_masks"]
     export_onnx(seg, onnx_out, imgsz=64, batch_size=2, task="segment", end2end=dict(backend="onnx", **opts))
     x = torch.rand(2, 3, 64, 64)

@@ -21,7 +21,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 INSTALLER = REPO / "install_dependencies.sh"
 SHARED = Path(os.environ.get("YOLOV9_QAT_SHARED", REPO.parent / "shared")).resolve()
-TREX_URL = "git+https://github.com/NVIDIA/TensorRT.git#subdirectory=tools/experimental/trt-engine-explorer"
+TREX_URL = "git+https://github.com/NVIDIA/TensorRT.git@v11.0#subdirectory=tools/experimental/trt-engine-explorer"
 
 # YOLOv9's requirements.txt (as upstream ships it), used where ../shared is not at hand.
 UPSTREAM_REQUIREMENTS = """\

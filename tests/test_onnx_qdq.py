@@ -255,6 +255,14 @@ def zero_point_uint8(style, bad):
     return g.model(), "nonzero_zero_point", ["/in/Q", "/in/DQ"]
 
 
+def scale_not_positive(style, bad):
+    g = G(style)
+    x = g.qdq(g.input("x", [1, 3, 8, 8]), 0.0 if bad else 0.03, "/in")  # e.g. an FP16 scale that underflowed
+    g.conv(x, 4, 3, "/m/Conv")
+    g.output("/m/Conv_out")
+    return g.model(), "nonpositive_scale", ["/in/Q", "/in/DQ"]
+
+
 def concat_inputs(style, bad):
     g = G(style)
     a = g.qdq(g.input("a", [1, 3, 8, 8]), 0.02)
@@ -380,6 +388,7 @@ CASES = {
     "weight_wrong_axis": weight_wrong_axis,
     "zero_point_nonzero": zero_point_nonzero,
     "zero_point_uint8": zero_point_uint8,
+    "scale_not_positive": scale_not_positive,
     "concat_inputs": concat_inputs,
     "concat_output": concat_output,
     "maxpool": maxpool,

@@ -1,15 +1,14 @@
 """utils/qat/trt_engine.py (engine builder, TRTBackend) tested against a FAKE ``tensorrt`` module.
 
 TensorRT cannot be installed in this workplace (its libraries download from a host we cannot reach
-and there is no NVIDIA GPU here), so NONE OF THE REAL TensorRT CALLS RUN IN THESE TESTS. Instead a
-minimal fake ``tensorrt`` is injected into ``sys.modules`` at the import boundary (trt_engine imports
-tensorrt lazily, inside its functions). The fake follows the documented TensorRT 10/11 Python API and
-enforces its call order and argument types, so misuse fails the test:
+and there is no NVIDIA GPU here), so NONE OF THE REAL TensorRT CALLS RUN IN THESE TESTS: the TensorRT
+boundary is mocked, and only it. tests/fake_tensorrt.py builds a fake ``tensorrt`` per version, injected
+into ``sys.modules`` (trt_engine imports tensorrt lazily, inside its functions); it models the table of
+docs/TENSORRT.md ("TensorRT API, flags and plugins used", checked here to agree with it): APIs removed in
+a version are absent (a call fails the test), deprecated ones are present and their use is recorded, the
+plugin registry is empty until ``init_libnvinfer_plugins``, the parser reads op types, engines holding
+plugins deserialize only when their creators are registered. It enforces call order and argument types:
 
-- ``Builder.create_network`` takes an int bit mask; ``NetworkDefinitionCreationFlag.STRONGLY_TYPED``;
-  a fake "11.x" has no ``BuilderFlag.FP16``/``INT8`` (removed in 11), a strongly typed network rejects
-  precision flags at build time, a dynamic input without an optimization profile fails the build,
-  ``IOptimizationProfile.set_shape`` takes ``Dims`` with min <= opt <= max.
 - ``IExecutionContext``: output shapes are unknown (-1) until ``set_input_shape``; ``set_tensor_address``
   needs an int pointer for a known I/O tensor; ``execute_async_v3`` needs an int stream handle and
   every input shape and every I/O address set. The fake then reads the input through its pointer and
@@ -18,472 +17,38 @@ enforces its call order and argument types, so misuse fails the test:
 
 Device buffers go through ``TRTBackend._alloc`` (torch tensors), which the tests run on CPU through a
 subclass overriding the CUDA-only hooks; the real CUDA check (no GPU -> QATError) is tested as is.
+Plugin libraries cannot exist here either: ``ctypes.CDLL`` is replaced by the fake's ``dlopen`` in the
+plugin tests, which registers the creators a test says the library provides.
 """
 from __future__ import annotations
 
 import ctypes
 import json
+import re
 import sys
 import types
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+import onnx
 import pytest
 import torch
+from onnx import TensorProto, helper, numpy_helper
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `python3 -m pytest` from the repository root has it already
     sys.path.append(str(REPO))
 
-from utils.qat import trt_engine  # noqa: E402
+from fake_tensorrt import (STD_PLUGINS, VERSIONED_API, FakeMisuse, available, deprecated,  # noqa: E402
+                           make_fake_trt, vt)
+from utils.qat import engine_graph, trt_engine  # noqa: E402
 from utils.qat.errors import QATError  # noqa: E402
-
-
-# ============================================================================= the fake tensorrt
-class _Enum:
-    def __init__(self, name: str, value: int) -> None:
-        self.name, self.value = name, value
-
-    def __int__(self) -> int:
-        return self.value
-
-    __index__ = __int__
-
-    def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and other.value == self.value  # type: ignore[attr-defined]
-
-    def __hash__(self) -> int:
-        return hash((type(self).__name__, self.value))
-
-    def __repr__(self) -> str:
-        return f"<{type(self).__name__}.{self.name}: {self.value}>"
-
-
-def _enum(name: str, members: dict[str, int]) -> type:
-    cls = type(name, (_Enum,), {})
-    for k, v in members.items():
-        setattr(cls, k, cls(k, v))
-    return cls
-
-
-class FakeHostMemory(bytes):
-    """IHostMemory: a buffer."""
-
-    @property
-    def nbytes(self) -> int:
-        return len(self)
-
-
-class FakeMisuse(AssertionError):
-    """The code under test used the fake TensorRT API in a way the real one forbids."""
-
-
-def _need(cond: bool, what: str) -> None:
-    if not cond:
-        raise FakeMisuse(what)
-
-
-def _need_int(x: Any, what: str) -> None:
-    if not isinstance(x, int) or isinstance(x, bool):
-        raise TypeError(f"{what}: incompatible function arguments, expected int, got {type(x).__name__}")
-
-
-_NP = {"FLOAT": np.float32, "HALF": np.float16, "INT32": np.int32, "INT64": np.int64, "INT8": np.int8,
-       "BOOL": np.bool_}
-_ONNX_TO_TRT = {1: "FLOAT", 10: "HALF", 6: "INT32", 7: "INT64", 3: "INT8", 9: "BOOL"}
-
-
-def make_fake_trt(version: str = "10.3.0", *, fail_build: bool = False) -> types.ModuleType:
-    """A fake ``tensorrt`` module of the given version (10.x or 11.x behaviour)."""
-    major = int(version.split(".")[0])
-    m = types.ModuleType("tensorrt")
-    m.__version__ = version
-    m.calls = []  # (api, args) in call order, for assertions
-    DataType = _enum("DataType", {"FLOAT": 0, "HALF": 1, "INT8": 2, "INT32": 3, "BOOL": 4, "UINT8": 5, "FP8": 6,
-                                  "BF16": 7, "INT64": 8})
-    TensorIOMode = _enum("TensorIOMode", {"NONE": 0, "INPUT": 1, "OUTPUT": 2})
-    MemoryPoolType = _enum("MemoryPoolType", {"WORKSPACE": 0, "DLA_MANAGED_SRAM": 1})
-    if major >= 11:  # EXPLICIT_BATCH is gone; STRONGLY_TYPED is deprecated and ignored
-        NDCF = _enum("NetworkDefinitionCreationFlag", {"STRONGLY_TYPED": 0, "PREFER_AOT_PYTHON_PLUGINS": 1,
-                                                       "PREFER_JIT_PYTHON_PLUGINS": 2})
-        BuilderFlag = _enum("BuilderFlag", {"DEBUG": 2, "GPU_FALLBACK": 3, "REFIT": 5})  # no FP16/INT8/...
-    else:
-        NDCF = _enum("NetworkDefinitionCreationFlag", {"EXPLICIT_BATCH": 0, "STRONGLY_TYPED": 1,
-                                                       "PREFER_AOT_PYTHON_PLUGINS": 3, "PREFER_JIT_PYTHON_PLUGINS": 2})
-        BuilderFlag = _enum("BuilderFlag", {"FP16": 0, "INT8": 1, "DEBUG": 2, "GPU_FALLBACK": 3, "REFIT": 5,
-                                            "BF16": 17})
-    Severity = _enum("Severity", {"INTERNAL_ERROR": 0, "ERROR": 1, "WARNING": 2, "INFO": 3, "VERBOSE": 4})
-
-    class Logger:
-        INTERNAL_ERROR, ERROR, WARNING, INFO, VERBOSE = (Severity.INTERNAL_ERROR, Severity.ERROR,  # type: ignore
-                                                         Severity.WARNING, Severity.INFO, Severity.VERBOSE)
-
-        def __init__(self, min_severity: Any = Severity.WARNING) -> None:  # type: ignore[attr-defined]
-            _need(isinstance(min_severity, Severity), "Logger(min_severity) takes a Logger.Severity")
-            self.min_severity = min_severity
-            self.messages: list[str] = []
-
-        def log(self, severity: Any, msg: str) -> None:
-            self.messages.append(msg)
-
-    class Dims(tuple):
-        def __new__(cls, shape: Any = ()) -> "Dims":
-            vals = tuple(shape)
-            for v in vals:
-                _need_int(v, "Dims")
-            return super().__new__(cls, vals)
-
-    class ITensor:
-        def __init__(self, name: str, shape: tuple[int, ...], dtype: Any) -> None:
-            self.name, self.shape, self.dtype = name, Dims(shape), dtype
-
-    class INetworkDefinition:
-        def __init__(self, strongly: bool) -> None:
-            self.strongly_typed = strongly
-            self._inputs: list[ITensor] = []
-            self._outputs: list[ITensor] = []
-            self.metadata: dict[str, Any] = {}
-
-        @property
-        def num_inputs(self) -> int:
-            return len(self._inputs)
-
-        @property
-        def num_outputs(self) -> int:
-            return len(self._outputs)
-
-        def get_input(self, index: int) -> ITensor:
-            _need_int(index, "get_input")
-            return self._inputs[index]
-
-        def get_output(self, index: int) -> ITensor:
-            _need_int(index, "get_output")
-            return self._outputs[index]
-
-    class ParserError:
-        def __init__(self, desc: str) -> None:
-            self._desc = desc
-
-        def desc(self) -> str:
-            return self._desc
-
-        def __str__(self) -> str:
-            return f"In node -1 with name:  and operator:  (parseGraph): INVALID_GRAPH: {self._desc}"
-
-    class OnnxParser:
-        def __init__(self, network: Any, logger: Any) -> None:
-            _need(isinstance(network, INetworkDefinition) and isinstance(logger, Logger),
-                  "OnnxParser(network, logger)")
-            self.network = network
-            self._errors: list[ParserError] = []
-
-        @property
-        def num_errors(self) -> int:
-            return len(self._errors)
-
-        def get_error(self, index: int) -> ParserError:
-            _need_int(index, "get_error")
-            return self._errors[index]
-
-        def parse_from_file(self, model: str) -> bool:
-            _need(isinstance(model, str), "parse_from_file takes a path string")
-            m.calls.append(("parse_from_file", model))
-            import onnx
-            try:
-                proto = onnx.load(model, load_external_data=False)
-            except Exception as e:  # noqa: BLE001
-                self._errors.append(ParserError(f"Failed to parse ONNX model: {e}"))
-                return False
-
-            def tensors(infos: Any) -> list[ITensor]:
-                out = []
-                for vi in infos:
-                    dims = tuple(d.dim_value if d.HasField("dim_value") else -1 for d in vi.type.tensor_type.shape.dim)
-                    out.append(ITensor(vi.name, dims, getattr(DataType, _ONNX_TO_TRT[vi.type.tensor_type.elem_type])))
-                return out
-
-            self.network._inputs = tensors(proto.graph.input)
-            self.network._outputs = tensors(proto.graph.output)
-            return True
-
-    class IOptimizationProfile:
-        def __init__(self) -> None:
-            self.shapes: dict[str, tuple[Dims, Dims, Dims]] = {}
-
-        def set_shape(self, input: str, min: Any, opt: Any, max: Any) -> None:  # noqa: A002
-            _need(isinstance(input, str), "set_shape(input: str, ...)")
-            for d in (min, opt, max):
-                _need(isinstance(d, Dims), f"set_shape takes tensorrt.Dims, got {type(d).__name__}")
-            _need(len(min) == len(opt) == len(max), "set_shape: ranks differ")
-            _need(all(a <= b <= c for a, b, c in zip(min, opt, max)), "set_shape: need min <= opt <= max")
-            self.shapes[input] = (min, opt, max)
-            m.calls.append(("set_shape", input, tuple(min), tuple(opt), tuple(max)))
-
-    class ITimingCache:
-        def __init__(self, blob: bytes) -> None:
-            self.entries = int(blob[len(b"FAKECACHE"):] or 0) if blob else 0
-
-        def serialize(self) -> FakeHostMemory:
-            return FakeHostMemory(b"FAKECACHE" + str(self.entries + 1).encode())
-
-    class IBuilderConfig:
-        def __init__(self) -> None:
-            self.flags: set[Any] = set()
-            self.pools: dict[Any, int] = {}
-            self.profiles: list[IOptimizationProfile] = []
-            self.cache: ITimingCache | None = None
-
-        def set_flag(self, flag: Any) -> None:
-            _need(isinstance(flag, BuilderFlag), "set_flag takes a BuilderFlag")
-            self.flags.add(flag)
-            m.calls.append(("set_flag", flag.name))
-
-        def set_memory_pool_limit(self, pool: Any, pool_size: int) -> None:
-            _need(isinstance(pool, MemoryPoolType), "set_memory_pool_limit(pool: MemoryPoolType, ...)")
-            _need_int(pool_size, "set_memory_pool_limit pool_size")
-            _need(pool_size > 0, "pool size must be > 0")
-            self.pools[pool] = pool_size
-
-        def add_optimization_profile(self, profile: Any) -> int:
-            _need(isinstance(profile, IOptimizationProfile), "add_optimization_profile(IOptimizationProfile)")
-            self.profiles.append(profile)
-            return len(self.profiles) - 1
-
-        def create_timing_cache(self, serialized_timing_cache: Any) -> ITimingCache:
-            blob = bytes(memoryview(serialized_timing_cache))
-            _need(not blob or blob.startswith(b"FAKECACHE"), "timing cache blob is not a timing cache")
-            m.calls.append(("create_timing_cache", blob))
-            return ITimingCache(blob)
-
-        def set_timing_cache(self, cache: Any, ignore_mismatch: bool) -> bool:
-            _need(isinstance(cache, ITimingCache) and isinstance(ignore_mismatch, bool),
-                  "set_timing_cache(cache: ITimingCache, ignore_mismatch: bool)")
-            self.cache = cache
-            return True
-
-        def get_timing_cache(self) -> ITimingCache:
-            _need(self.cache is not None, "get_timing_cache before set_timing_cache")
-            assert self.cache is not None
-            return self.cache
-
-    class Builder:
-        def __init__(self, logger: Any) -> None:
-            _need(isinstance(logger, Logger), "Builder(logger: ILogger)")
-            self.logger = logger
-
-        def create_network(self, flags: int = 0) -> INetworkDefinition:
-            _need_int(flags, "create_network(flags)")
-            known = sum(1 << int(v) for v in vars(NDCF).values() if isinstance(v, NDCF))
-            _need(flags & ~known == 0, f"create_network: unknown flag bits {flags:#x}")
-            m.calls.append(("create_network", flags))
-            strongly = major >= 11 or bool(flags & (1 << int(NDCF.STRONGLY_TYPED)))
-            return INetworkDefinition(strongly)
-
-        def create_builder_config(self) -> IBuilderConfig:
-            return IBuilderConfig()
-
-        def create_optimization_profile(self) -> IOptimizationProfile:
-            return IOptimizationProfile()
-
-        def build_serialized_network(self, network: Any, config: Any) -> FakeHostMemory | None:
-            _need(isinstance(network, INetworkDefinition) and isinstance(config, IBuilderConfig),
-                  "build_serialized_network(network, config)")
-            m.calls.append(("build_serialized_network",))
-            if fail_build:
-                self.logger.log(Severity.ERROR, "[fake] out of memory")
-                return None
-            if not network._inputs:
-                self.logger.log(Severity.ERROR, "Network must have at least one input")
-                return None
-            if network.strongly_typed and config.flags:
-                # TensorRT 10: precision flags are not allowed with a strongly typed network.
-                self.logger.log(Severity.ERROR, "BuilderFlag::kFP16/kINT8 not allowed for strongly typed networks")
-                return None
-            profile: dict[str, Any] = {}
-            for t in network._inputs:
-                if any(d < 0 for d in t.shape):
-                    found = [p.shapes[t.name] for p in config.profiles if t.name in p.shapes]
-                    if not found:
-                        self.logger.log(Severity.ERROR, f"Network has dynamic or shape inputs, but no "
-                                                        f"optimization profile has been defined ({t.name})")
-                        return None
-                    mn, op, mx = (list(x) for x in found[0])
-                    for d, a, c in zip(t.shape, mn, mx):
-                        if d >= 0 and not a == c == d:
-                            self.logger.log(Severity.ERROR, "profile does not match static dims")
-                            return None
-                    profile[t.name] = [mn, op, mx]
-            payload = {"fake_trt": version, "strongly_typed": network.strongly_typed,
-                       "flags": sorted(f.name for f in config.flags),
-                       "inputs": [[t.name, t.dtype.name, list(t.shape)] for t in network._inputs],
-                       "outputs": [[t.name, t.dtype.name, list(t.shape)] for t in network._outputs],
-                       "profile": profile}
-            return FakeHostMemory(b"FAKEENGINE" + json.dumps(payload).encode())
-
-    class IExecutionContext:
-        def __init__(self, engine: "ICudaEngine") -> None:
-            self.engine = engine
-            self.input_shapes: dict[str, tuple[int, ...]] = {}
-            self.addresses: dict[str, int] = {}
-
-        def _output_shape(self, name: str, static: list[int]) -> tuple[int, ...]:
-            inp = next(iter(self.input_shapes.values()), None)
-            if inp is None:
-                return tuple(static)  # unknown (-1) until the input shape is set
-            b, _c, h, w = inp
-            anchors = sum((h // s) * (w // s) for s in (8, 16, 32))
-            dims = list(static)
-            for i, d in enumerate(dims):
-                if d < 0:
-                    if i == 0:
-                        dims[i] = b
-                    elif name == "output0":
-                        dims[i] = anchors
-                    elif name == "output1":
-                        dims[i] = h // 4 if i == 2 else w // 4
-                    else:
-                        raise FakeMisuse(f"fake cannot resolve dim {i} of {name}")
-            return tuple(dims)
-
-        def set_input_shape(self, name: str, shape: Any) -> bool:
-            _need(isinstance(name, str), "set_input_shape(name: str, shape)")
-            shape = tuple(shape)
-            for s in shape:
-                _need_int(s, "set_input_shape shape")
-            m.calls.append(("set_input_shape", name, shape))
-            spec = self.engine.io[name]
-            _need(spec["mode"] == "INPUT", f"set_input_shape on non-input {name}")
-            mn, _op, mx = self.engine.profile.get(name, [spec["shape"]] * 3)
-            if len(shape) != len(mn) or not all(a <= s <= c for a, s, c in zip(mn, shape, mx)):
-                return False  # TensorRT logs an error and returns False
-            self.input_shapes[name] = shape
-            return True
-
-        def get_tensor_shape(self, name: str) -> Dims:
-            _need(isinstance(name, str), "get_tensor_shape(name: str)")
-            spec = self.engine.io[name]
-            if spec["mode"] == "INPUT":
-                return Dims(self.input_shapes.get(name, spec["shape"]))
-            return Dims(self._output_shape(name, spec["shape"]))
-
-        def set_tensor_address(self, name: str, memory: int) -> bool:
-            _need(isinstance(name, str), "set_tensor_address(name: str, memory: int)")
-            _need_int(memory, "set_tensor_address memory")
-            _need(name in self.engine.io, f"set_tensor_address: {name} is not an I/O tensor")
-            _need(memory != 0, "set_tensor_address: null pointer")
-            m.calls.append(("set_tensor_address", name, memory))
-            self.addresses[name] = memory
-            return True
-
-        def execute_async_v3(self, stream_handle: int) -> bool:
-            _need_int(stream_handle, "execute_async_v3(stream_handle)")
-            m.calls.append(("execute_async_v3", stream_handle))
-            for name, spec in self.engine.io.items():
-                if spec["mode"] == "INPUT":
-                    _need(name in self.input_shapes, f"execute before set_input_shape({name})")
-                _need(name in self.addresses, f"execute without an address for {name}")
-            (iname, ishape), = self.input_shapes.items()
-            x = self._view(iname, ishape).astype(np.float32)
-            mean = x.reshape(ishape[0], -1).mean(axis=1)
-            for name, spec in self.engine.io.items():
-                if spec["mode"] != "OUTPUT":
-                    continue
-                shape = self._output_shape(name, spec["shape"])
-                out = self._view(name, shape)
-                b_index = np.arange(shape[0]).reshape((-1,) + (1,) * (len(shape) - 1))
-                per_b = mean.reshape((-1,) + (1,) * (len(shape) - 1))
-                if name == "output0":  # raw head: mean of the image + channel index
-                    val = per_b + np.arange(shape[1]).reshape((1, -1, 1))
-                elif name == "num_dets":
-                    val = b_index + 1
-                elif name == "det_classes":
-                    val = np.broadcast_to(np.arange(shape[1]).reshape(1, -1), shape)
-                else:
-                    val = per_b
-                out[...] = np.broadcast_to(val, shape).astype(out.dtype)
-            return True
-
-        def _view(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-            dtype = _NP[self.engine.io[name]["dtype"]]
-            n = int(np.prod(shape)) * np.dtype(dtype).itemsize
-            raw = (ctypes.c_byte * n).from_address(self.addresses[name])
-            return np.ctypeslib.as_array(raw).view(dtype).reshape(shape)
-
-    class ICudaEngine:
-        def __init__(self, payload: dict[str, Any]) -> None:
-            self.payload = payload
-            self.io: dict[str, dict[str, Any]] = {}
-            for mode, key in (("INPUT", "inputs"), ("OUTPUT", "outputs")):
-                for name, dtype, shape in payload[key]:
-                    self.io[name] = {"mode": mode, "dtype": dtype, "shape": shape}
-            self.profile = payload["profile"]
-            self.names = list(self.io)
-
-        @property
-        def num_io_tensors(self) -> int:
-            return len(self.names)
-
-        def get_tensor_name(self, index: int) -> str:
-            _need_int(index, "get_tensor_name(index: int)")
-            return self.names[index]
-
-        def get_tensor_mode(self, name: str) -> Any:
-            _need(isinstance(name, str), "get_tensor_mode(name: str)")
-            return getattr(TensorIOMode, self.io[name]["mode"])
-
-        def get_tensor_dtype(self, name: str) -> Any:
-            _need(isinstance(name, str), "get_tensor_dtype(name: str)")
-            return getattr(DataType, self.io[name]["dtype"])
-
-        def get_tensor_shape(self, name: str) -> Dims:
-            _need(isinstance(name, str), "get_tensor_shape(name: str)")
-            return Dims(self.io[name]["shape"])
-
-        def get_tensor_profile_shape(self, name: str, profile_index: int) -> list[Dims]:
-            _need(isinstance(name, str), "get_tensor_profile_shape(name: str, profile_index: int)")
-            _need_int(profile_index, "get_tensor_profile_shape profile_index")
-            _need(self.io[name]["mode"] == "INPUT" and profile_index == 0 and name in self.profile,
-                  f"get_tensor_profile_shape({name}, {profile_index}): no such profile")
-            return [Dims(s) for s in self.profile[name]]
-
-        def create_execution_context(self) -> IExecutionContext:
-            return IExecutionContext(self)
-
-    class Runtime:
-        def __init__(self, logger: Any) -> None:
-            _need(isinstance(logger, Logger), "Runtime(logger: ILogger)")
-            self.logger = logger
-
-        def deserialize_cuda_engine(self, serialized_engine: Any) -> ICudaEngine | None:
-            blob = bytes(memoryview(serialized_engine))
-            if not blob.startswith(b"FAKEENGINE"):
-                self.logger.log(Severity.ERROR, "Serialization assertion failed: magic tag")
-                return None
-            payload = json.loads(blob[len(b"FAKEENGINE"):])
-            if payload["fake_trt"] != version:
-                self.logger.log(Severity.ERROR, f"The engine plan file is not compatible with this version of "
-                                                f"TensorRT, expecting library version {version} got "
-                                                f"{payload['fake_trt']}, please rebuild.")
-                return None
-            return ICudaEngine(payload)
-
-    for obj in (DataType, TensorIOMode, MemoryPoolType, BuilderFlag, Logger, Dims, ITensor, INetworkDefinition,
-                OnnxParser, IOptimizationProfile, ITimingCache, IBuilderConfig, Builder, IExecutionContext,
-                ICudaEngine, Runtime):
-        setattr(m, obj.__name__, obj)
-    m.NetworkDefinitionCreationFlag = NDCF
-    m.ILogger = Logger
-    return m
 
 
 # ============================================================================= helpers
 def make_onnx(path: Path, *, batch: int | str = "batch", hw: int | str = "height", nc: int = 80,
               kind: str = "detect", input_type: int = 1, stride: int = 32) -> Path:
     """A tiny ONNX with YOLOv9's I/O (no nodes: only its interface and metadata matter to the fake parser)."""
-    import onnx
-    from onnx import TensorProto, helper
-
     w = hw if isinstance(hw, int) else "width"
     inputs = [helper.make_tensor_value_info("images", input_type, [batch, 3, hw, w])]
     if kind == "end2end":
@@ -549,6 +114,12 @@ def _anchors(h: int, w: int) -> int:
     return sum((h // s) * (w // s) for s in (8, 16, 32))
 
 
+def _cache_doc(path: Path) -> dict:
+    blob = path.read_bytes()
+    assert blob.startswith(b"FAKECACHE")
+    return json.loads(blob[len(b"FAKECACHE"):])
+
+
 # ============================================================================= builder
 def test_build_trt10_weakly_typed_int8_fp16(tmp_path, fake_trt):
     trt = fake_trt("10.3.0")
@@ -564,11 +135,12 @@ def test_build_trt10_weakly_typed_int8_fp16(tmp_path, fake_trt):
     assert payload["profile"]["images"] == [[1, 3, 64, 64], [8, 3, 64, 64], [8, 3, 64, 64]]
     # timing cache: created empty, saved; the second build loads what the first saved
     assert _calls(trt, "create_timing_cache") == [("create_timing_cache", b"")]
-    assert cache.read_bytes() == b"FAKECACHE1"
+    first = cache.read_bytes()
+    assert _cache_doc(cache) == {"device": "GPU-0", "entries": 1}
     trt_engine.build_engine(onnx_path, tmp_path / "qat.engine", max_batch=8, imgsz=64, workspace_gib=2,
                             timing_cache=cache)
-    assert _calls(trt, "create_timing_cache")[-1] == ("create_timing_cache", b"FAKECACHE1")
-    assert cache.read_bytes() == b"FAKECACHE2"
+    assert _calls(trt, "create_timing_cache")[-1] == ("create_timing_cache", first)
+    assert _cache_doc(cache) == {"device": "GPU-0", "entries": 2}
     meta = trt_engine.read_engine_metadata(engine)
     assert meta["tensorrt"] == "10.3.0" and meta["stride"] == 32 and meta["names"][79] == "class79"
     assert meta["imgsz"] == [64, 64] and meta["task"] == "detect" and meta["end2end"] is False
@@ -847,7 +419,314 @@ def test_fake_rejects_misuse(tmp_path, fake_trt):
     with pytest.raises(FakeMisuse, match="address for output0"):
         ctx.execute_async_v3(1)
     prof = trt.Builder(trt.Logger()).create_optimization_profile()
+    prof.set_shape("images", (1, 3, 64, 64), [1, 3, 64, 64], trt.Dims((1, 3, 64, 64)))  # tuples/lists convert
     with pytest.raises(FakeMisuse, match="Dims"):
-        prof.set_shape("images", (1, 3, 64, 64), (1, 3, 64, 64), (1, 3, 64, 64))
+        prof.set_shape("images", "1x3x64x64", (1, 3, 64, 64), (1, 3, 64, 64))
+    with pytest.raises(FakeMisuse, match="min <= opt <= max"):
+        prof.set_shape("images", (2, 3, 64, 64), (1, 3, 64, 64), (1, 3, 64, 64))
     with pytest.raises(TypeError):
         trt.Builder(trt.Logger()).create_network(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)  # enum, not bits
+
+
+# ============================================================================= the table, per version
+DOC = REPO / "docs" / "TENSORRT.md"
+VERSIONS = ("10.0.0", "10.3.0", "10.9.0", "10.13.3", "11.0.0", "11.1.0")
+
+
+def _doc_rows() -> list[list[str]]:
+    text = DOC.read_text()
+    section = text.split("### TensorRT API, flags and plugins used", 1)[1].split("\n### ", 1)[0]
+    return [[c.strip() for c in line.strip().strip("|").split("|")] for line in section.splitlines()
+            if line.startswith("| ") and not line.startswith("| ---")]
+
+
+def _row(rows: list[list[str]], needle: str) -> list[str]:
+    found = [r for r in rows if needle in r[0]]
+    assert found, f"docs/TENSORRT.md has no row for {needle}"
+    return found[0]
+
+
+def test_docs_table_and_fake_agree():
+    """The fake's version model (fake_tensorrt.VERSIONED_API, STD_PLUGINS) is the table's: columns
+    item | used by | TensorRT 10.x | TensorRT 11.x | source, one row per item, a source in every row."""
+    rows = _doc_rows()
+    assert len(rows) > 40 and all(len(r) == 5 and r[4] for r in rows[1:]), "every row needs five cells and a source"
+    for name, (since, dep, removed) in VERSIONED_API.items():
+        _item, _used, v10, v11, _src = _row(rows, f"`{name}`")
+        assert ("removed" in v11.lower()) == (removed == "11.0"), name
+        if dep is not None and vt(dep) < (11, 0):
+            assert "deprecated" in v10.lower() and dep in v10, name
+        if dep is not None:
+            assert "deprecated" in v11.lower() or "removed" in v11.lower(), name
+        if vt(since) > (10, 0):
+            assert f"since {since}" in v10, name
+    for (name, pv), (since, dep, removed, iface) in STD_PLUGINS.items():
+        _item, _used, v10, v11, _src = _row(rows, f"`{name}` version {pv}")
+        assert iface in _item or iface in v10, name
+        assert ("deprecated" in v10.lower()) == (dep is not None) and ("removed" in v11.lower()) == (removed is not None)
+        if vt(since) > (10, 0):
+            assert f"since {since}" in v10, name
+    _item, _used, v10, v11, _src = _row(rows, "`EfficientNMSX_TRT`")
+    assert "not in" in v10.lower() and "not in" in v11.lower()
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_fake_follows_the_table(version):
+    trt = make_fake_trt(version)
+    for name, entry in VERSIONED_API.items():
+        enum, member = name.split(".")
+        assert hasattr(getattr(trt, enum), member) == available(entry, version), (version, name)
+    ndcf = trt.NetworkDefinitionCreationFlag
+    if vt(version) >= (11, 0):  # include/NvInfer.h v11.0/v11.1: kSTRONGLY_TYPED = 0, kPREFER_JIT = 1, kPREFER_AOT = 2
+        assert [int(ndcf.STRONGLY_TYPED), int(ndcf.PREFER_JIT_PYTHON_PLUGINS), int(ndcf.PREFER_AOT_PYTHON_PLUGINS)] == [
+            0, 1, 2]
+    elif vt(version) >= (10, 9):  # v10.9-v10.13: kEXPLICIT_BATCH = 0, kSTRONGLY_TYPED = 1, kPREFER_JIT = 2, AOT = 3
+        assert [int(ndcf.EXPLICIT_BATCH), int(ndcf.STRONGLY_TYPED), int(ndcf.PREFER_JIT_PYTHON_PLUGINS),
+                int(ndcf.PREFER_AOT_PYTHON_PLUGINS)] == [0, 1, 2, 3]
+    registry = trt.get_plugin_registry()
+    assert registry.get_creator("EfficientNMS_TRT", "1", "") is None  # nothing before init_libnvinfer_plugins
+    assert trt.init_libnvinfer_plugins(trt.Logger(), "") is True
+    for (name, pv), entry in STD_PLUGINS.items():
+        assert (registry.get_creator(name, pv, "") is not None) == available(entry, version), (version, name, pv)
+    assert registry.get_creator("EfficientNMSX_TRT", "1", "") is None  # not NVIDIA's
+
+
+@pytest.mark.parametrize("version, strongly, expected", [
+    ("10.3.0", None, set()),
+    ("10.13.3", True, set()),
+    ("10.13.3", None, {"BuilderFlag.FP16 (deprecated since 10.12)", "BuilderFlag.INT8 (deprecated since 10.12)"}),
+    ("11.0.0", None, set()),
+    ("11.1.0", None, set()),
+])
+def test_toolkit_calls_no_removed_api_and_only_the_deprecated_ones_asked_for(tmp_path, fake_trt, capsys, version,
+                                                                              strongly, expected):
+    """Build and run on each version: an API the table marks removed there is absent from the fake (AttributeError),
+    a deprecated one is recorded. Weak typing on 10.12+ is the one deprecated use, and only when asked for (the
+    default on 10.x, as the reference builds), with a note."""
+    trt = fake_trt(version)
+    engine = trt_engine.build_engine(make_onnx(tmp_path / "m.onnx"), tmp_path / "m.engine", imgsz=64, max_batch=2,
+                                     workspace_gib=1, strongly_typed=strongly, layer_info=True)
+    out = CPUBackend(engine)(torch.rand(2, 3, 64, 64))
+    assert out.shape == (2, 84, _anchors(64, 64))
+    assert set(trt.deprecated_uses) == expected
+    assert ("weak typing" in capsys.readouterr().err) == bool(expected)
+
+
+def test_a_removed_api_fails_the_test(tmp_path, fake_trt, monkeypatch):
+    """If the code called BuilderFlag.FP16 on TensorRT 11 (removed there), the fake makes it fail."""
+    fake_trt("11.1.0")
+    monkeypatch.setattr(trt_engine, "parse_version", lambda text: (10, 13))  # the code believes it runs 10.13
+    with pytest.raises(AttributeError, match="FP16"):
+        trt_engine.build_engine(make_onnx(tmp_path / "m.onnx"), tmp_path / "m.engine", imgsz=64, workspace_gib=1)
+
+
+# ============================================================================= plugins
+E2E = ["num_dets", "det_boxes", "det_scores", "det_classes"]
+NMS_ATTRS = dict(background_class=-1, box_coding=1, iou_threshold=0.45, max_output_boxes=5, plugin_version="1",
+                 score_activation=0, score_threshold=0.25, class_agnostic=0)
+
+
+def _graph_onnx(path: Path, nodes: list, outputs: list, inits: list | None = None, stride: int = 32) -> Path:
+    model = helper.make_model(
+        helper.make_graph(nodes, "g", [helper.make_tensor_value_info("images", TensorProto.FLOAT,
+                                                                     ["batch", 3, "height", "width"])],
+                          outputs, initializer=inits or []),
+        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("TRT", 1)])
+    for k, v in (("stride", str(stride)), ("names", str({i: f"class{i}" for i in range(80)}))):
+        p = model.metadata_props.add()
+        p.key, p.value = k, v
+    onnx.save(model, str(path))
+    return path
+
+
+def _e2e_outputs() -> list:
+    return [helper.make_tensor_value_info("num_dets", TensorProto.INT32, ["batch", 1]),
+            helper.make_tensor_value_info("det_boxes", TensorProto.FLOAT, ["batch", 5, 4]),
+            helper.make_tensor_value_info("det_scores", TensorProto.FLOAT, ["batch", 5]),
+            helper.make_tensor_value_info("det_classes", TensorProto.INT32, ["batch", 5])]
+
+
+def _nms_onnx(path: Path, op: str = "EfficientNMS_TRT", **attrs: Any) -> Path:
+    node = helper.make_node(op, ["images", "images"], E2E, name=f"/end2end/{op}", domain="TRT",
+                            **{**NMS_ATTRS, **attrs})
+    return _graph_onnx(path, [node], _e2e_outputs())
+
+
+def _plugin_library(tmp_path: Path, trt: types.ModuleType, monkeypatch: Any, *creators: tuple[str, str]) -> Path:
+    """A 'plugin library' the fake can load in place of ctypes.CDLL (no real .so can exist here)."""
+    lib = tmp_path / "libyolo_plugins.so"
+    lib.write_bytes(b"")
+    trt.plugin_libraries[str(lib.resolve())] = list(creators)
+    monkeypatch.setattr(trt_engine.ctypes, "CDLL", trt.dlopen)
+    return lib
+
+
+def test_plugins_are_registered_before_parsing_and_before_loading(tmp_path, fake_trt):
+    trt = fake_trt("10.3.0")
+    engine = trt_engine.build_engine(_nms_onnx(tmp_path / "e2e.onnx"), tmp_path / "e2e.engine", imgsz=64,
+                                     max_batch=2, workspace_gib=1)
+    order = [c[0] for c in trt.calls]
+    assert order.index("init_libnvinfer_plugins") < order.index("parse_from_file")
+    assert trt_engine.read_engine_metadata(engine)["plugins"] == [
+        {"name": "EfficientNMS_TRT", "version": "1", "namespace": ""}]
+    trt = fake_trt("10.3.0")  # a fresh process: TensorRT's plugins are not registered yet
+    be = CPUBackend(engine)
+    order = [c[0] for c in trt.calls]
+    assert order.index("init_libnvinfer_plugins") < order.index("deserialize_cuda_engine")
+    out = be(torch.rand(2, 3, 64, 64))
+    assert be.end2end and out["num_dets"].flatten().tolist() == [1, 2]
+
+
+def test_without_init_the_fake_fails_as_tensorrt_does(tmp_path, fake_trt, monkeypatch):
+    """The defect this guards against (NVIDIA/TensorRT issue #2675): a Python process that does not call
+    init_libnvinfer_plugins can neither parse a plugin node nor load an engine holding one; the runner's
+    sentence then names the plugin instead of blaming the TensorRT version."""
+    onnx_path = _nms_onnx(tmp_path / "e2e.onnx")
+    trt = fake_trt("10.3.0")
+    network = trt.Builder(trt.Logger()).create_network(0)
+    parser = trt.OnnxParser(network, trt.Logger())
+    assert parser.parse_from_file(str(onnx_path)) is False
+    assert "Plugin not found, are the plugin name, version, and namespace correct?" in str(parser.get_error(0))
+    engine = trt_engine.build_engine(onnx_path, tmp_path / "e2e.engine", imgsz=64, max_batch=2, workspace_gib=1)
+    fake_trt("10.3.0")
+    monkeypatch.setattr(trt_engine, "load_plugins", lambda logger, plugins=(): None)
+    with pytest.raises(QATError, match=r"needs the plugin EfficientNMS_TRT \(version 1\), which is not registered"):
+        CPUBackend(engine)  # the sidecar lists the plugin: checked before deserializing
+    trt_engine.metadata_path(engine).unlink()
+    with pytest.raises(QATError) as e:
+        CPUBackend(engine)  # no sidecar: TensorRT's own error names it
+    assert "needs the plugin EfficientNMS_TRT, which is not registered" in str(e.value)
+    assert "another TensorRT" not in str(e.value)
+
+
+def test_efficientnmsx_is_third_party_and_needs_its_library(tmp_path, fake_trt, monkeypatch):
+    onnx_path = _nms_onnx(tmp_path / "seg.onnx", op="EfficientNMSX_TRT")
+    trt = fake_trt("10.13.3")
+    with pytest.raises(QATError, match=r"EfficientNMSX_TRT \(version 1\).*is not part of TensorRT.*--plugins"):
+        trt_engine.build_engine(onnx_path, tmp_path / "seg.engine", imgsz=64, max_batch=2, workspace_gib=1)
+    lib = _plugin_library(tmp_path, trt, monkeypatch, ("EfficientNMSX_TRT", "1"))
+    engine = trt_engine.build_engine(onnx_path, tmp_path / "seg.engine", imgsz=64, max_batch=2, workspace_gib=1,
+                                     plugins=[lib])
+    assert ("dlopen", str(lib.resolve()), True) in trt.calls
+    trt = fake_trt("10.13.3")
+    lib = _plugin_library(tmp_path, trt, monkeypatch, ("EfficientNMSX_TRT", "1"))
+    with pytest.raises(QATError, match="EfficientNMSX_TRT.*not part of TensorRT.*--plugins"):
+        CPUBackend(engine)
+    assert CPUBackend(engine, plugins=[lib]).end2end
+    with pytest.raises(QATError, match=r"plugin library .*missing\.so not found"):
+        CPUBackend(engine, plugins=[tmp_path / "missing.so"])
+
+
+def test_roialign_is_imported_as_roialign_trt_version_2(tmp_path, fake_trt):
+    boxes = helper.make_tensor_value_info("pooled", TensorProto.FLOAT, ["n", 3, 4, 4])
+    node = helper.make_node("RoiAlign", ["images", "rois", "idx"], ["pooled"], name="/roi",
+                            coordinate_transformation_mode="half_pixel", output_height=4, output_width=4)
+    inits = [numpy_helper.from_array(torch.zeros(1, 4).numpy(), "rois"),
+             numpy_helper.from_array(torch.zeros(1, dtype=torch.int64).numpy(), "idx")]
+    path = _graph_onnx(tmp_path / "roi.onnx", [node], [boxes], inits)
+    assert trt_engine.onnx_metadata(path)["plugins"] == [{"name": "ROIAlign_TRT", "version": "2", "namespace": ""}]
+    trt = fake_trt("10.3.0")
+    trt_engine.build_engine(path, tmp_path / "roi.engine", imgsz=64, max_batch=1, workspace_gib=1)
+    assert trt.deprecated_uses == []  # version 2 (IPluginV3), not the deprecated version 1
+    fake_trt("10.0.0")  # before 10.1 TensorRT has no version 2
+    with pytest.raises(QATError, match=r"needs the plugin ROIAlign_TRT \(version 2\)"):
+        trt_engine.build_engine(path, tmp_path / "roi0.engine", imgsz=64, max_batch=1, workspace_gib=1)
+
+
+def test_efficientnms_deprecation_note(tmp_path, fake_trt, capsys):
+    trt = fake_trt("10.13.3")
+    trt_engine.build_engine(_nms_onnx(tmp_path / "e2e.onnx"), tmp_path / "e2e.engine", imgsz=64, max_batch=1,
+                            workspace_gib=1, strongly_typed=True)
+    assert "EfficientNMS_TRT is deprecated since TensorRT 10.12" in capsys.readouterr().err
+    assert trt.deprecated_uses == ["plugin EfficientNMS_TRT version 1 (deprecated since 10.12)"]
+
+
+def _qdq_conv_onnx(path: Path, scale: float = 0.02, topk: int | None = None) -> Path:
+    inits = [numpy_helper.from_array(torch.tensor(scale).numpy(), "s"),
+             numpy_helper.from_array(torch.tensor(0, dtype=torch.int8).numpy(), "z"),
+             numpy_helper.from_array(torch.ones(84, 3, 1, 1, dtype=torch.int8).numpy(), "w_q"),
+             numpy_helper.from_array(torch.full((84,), 0.01).numpy(), "w_s"),
+             numpy_helper.from_array(torch.zeros(84, dtype=torch.int8).numpy(), "w_z")]
+    nodes = [helper.make_node("QuantizeLinear", ["images", "s", "z"], ["q"], name="/in/Q"),
+             helper.make_node("DequantizeLinear", ["q", "s", "z"], ["dq"], name="/in/DQ"),
+             helper.make_node("DequantizeLinear", ["w_q", "w_s", "w_z"], ["w"], name="/w/DQ", axis=0),
+             helper.make_node("Conv", ["dq", "w"], ["c"], name="/model.0/conv/Conv"),
+             helper.make_node("Sigmoid", ["c"], ["sig"], name="/model.0/act/Sigmoid"),
+             helper.make_node("Reshape", ["sig", "shape"], ["output0"], name="/head/Reshape")]
+    inits.append(numpy_helper.from_array(torch.tensor([0, 84, -1]).numpy(), "shape"))
+    if topk is not None:
+        inits.append(numpy_helper.from_array(torch.tensor([topk]).numpy(), "k"))
+        nodes.append(helper.make_node("TopK", ["output0", "k"], ["tv", "ti"], name="/topk", axis=2))
+    out = [helper.make_tensor_value_info("output0", TensorProto.FLOAT, ["batch", 84, "anchors"])]
+    return _graph_onnx(path, nodes, out, inits)
+
+
+@pytest.mark.parametrize("case, match", [
+    ("iou_zero", r"iouThreshold > 0"),
+    ("scale_zero", r"Scale coefficients must all be positive"),
+    ("topk_3840", r"TopK K must be less than 3840"),
+])
+def test_fake_parser_rejects_what_tensorrt_rejects(tmp_path, fake_trt, case, match):
+    fake_trt("11.1.0")
+    path = {"iou_zero": lambda: _nms_onnx(tmp_path / "m.onnx", iou_threshold=0.0),
+            "scale_zero": lambda: _qdq_conv_onnx(tmp_path / "m.onnx", scale=0.0),
+            "topk_3840": lambda: _qdq_conv_onnx(tmp_path / "m.onnx", topk=3840)}[case]()
+    with pytest.raises(QATError, match=f"could not parse .*{match}"):
+        trt_engine.build_engine(path, tmp_path / "m.engine", imgsz=64, max_batch=1, workspace_gib=1)
+
+
+def test_end2end_options_stay_inside_tensorrt_limits():
+    """The export refuses what the fake parser (and TensorRT) would: iou_threshold 0 with the plugin, K >= 3840."""
+    from utils.qat.end2end import MAX_TOPK, NMSOptions
+    assert MAX_TOPK == 3839 and NMSOptions().backend == "onnx"
+    with pytest.raises(QATError, match=r"--iou-thres must be above 0 .* --nms trt"):
+        NMSOptions(backend="trt", iou_thres=0.0).check()
+    NMSOptions(backend="onnx", iou_thres=0.0).check()  # INMSLayer takes [0, 1]
+    with pytest.raises(QATError, match="between 1 and 3839"):
+        NMSOptions(topk_all=3840).check()
+    NMSOptions(backend="trt", topk_all=3839).check()
+
+
+# ============================================================================= timing cache, layer information
+def test_timing_cache_from_another_gpu_is_replaced(tmp_path, fake_trt, capsys):
+    onnx_path, cache = make_onnx(tmp_path / "m.onnx"), tmp_path / "m.timing.cache"
+    fake_trt("10.3.0", device="GPU-A")
+    trt_engine.build_engine(onnx_path, tmp_path / "m.engine", imgsz=64, workspace_gib=1, timing_cache=cache)
+    assert _cache_doc(cache) == {"device": "GPU-A", "entries": 1}
+    trt = fake_trt("10.3.0", device="GPU-B")
+    trt_engine.build_engine(onnx_path, tmp_path / "m.engine", imgsz=64, workspace_gib=1, timing_cache=cache)
+    assert "refused the timing cache" in capsys.readouterr().err
+    assert _calls(trt, "set_timing_cache") == [("set_timing_cache", "GPU-A", False), ("set_timing_cache", "GPU-B", False)]
+    assert _cache_doc(cache) == {"device": "GPU-B", "entries": 1}
+    cache.write_bytes(b"not a cache")
+    trt_engine.build_engine(onnx_path, tmp_path / "m.engine", imgsz=64, workspace_gib=1, timing_cache=cache)
+    assert "refused the timing cache" in capsys.readouterr().err and _cache_doc(cache)["device"] == "GPU-B"
+
+
+def test_no_timing_cache_kept_is_said_not_serialized(tmp_path, fake_trt, monkeypatch, capsys):
+    """get_timing_cache() returns None when nothing could be attached: nothing to serialize, and it says so."""
+    trt = fake_trt("10.3.0")
+    monkeypatch.setattr(trt.IBuilderConfig, "set_timing_cache", lambda self, cache, ignore: False)
+    cache = tmp_path / "m.timing.cache"
+    engine = trt_engine.build_engine(make_onnx(tmp_path / "m.onnx"), tmp_path / "m.engine", imgsz=64,
+                                     workspace_gib=1, timing_cache=cache)
+    assert engine.is_file() and not cache.exists()
+    assert "was not written" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("version", ["10.3.0", "11.1.0"])
+def test_python_built_engine_writes_the_layer_json(tmp_path, fake_trt, version):
+    """build_engine(layer_info=True): ProfilingVerbosity.DETAILED, then IEngineInspector's JSON beside the engine,
+    which engine_graph reads on both schemas (10.x "Bindings" + Format/Datatype, 11.x "I/O Tensors" + split)."""
+    trt = fake_trt(version)
+    onnx_path = _qdq_conv_onnx(tmp_path / "q.onnx")
+    engine = trt_engine.build_engine(onnx_path, tmp_path / "q.engine", imgsz=64, max_batch=2, workspace_gib=1,
+                                     layer_info=True)
+    assert ("profiling_verbosity", "DETAILED") in trt.calls
+    doc = engine_graph.load_layer_info(trt_engine.layer_info_path(engine))
+    assert ("I/O Tensors" in doc) == (vt(version) >= (11, 0))
+    s = engine_graph.precision_summary(doc)
+    assert s["detailed"] and s["compute_by_output_dtype"].get("INT8") == 1 and "unknown" not in s["by_output_dtype"]
+    assert (s["inputs"], s["outputs"]) == (["images"], ["output0"])
+    plain = trt_engine.build_engine(onnx_path, tmp_path / "p.engine", imgsz=64, max_batch=2, workspace_gib=1)
+    assert not trt_engine.layer_info_path(plain).exists()

@@ -90,7 +90,18 @@ def test_parse_failed_run_says_why():
                                           (101300, "10.13.0"), (110000, "11.0.0"), (110401, "11.4.1")])
 def test_version_tags(tag, version):
     assert trtexec.decode_version_tag(tag) == version
-    assert trtexec.parse_version_text(f"&&&& RUNNING TensorRT.trtexec [TensorRT v{tag}] [b7] # trtexec") == version
+    assert trtexec.parse_version_text(f"&&&& RUNNING TensorRT.trtexec [TensorRT v{tag}] # trtexec") == version
+    # TensorRT 11 adds the build number after the version (samples/common/logging.h of v11.1)
+    assert trtexec.parse_version_text(f"&&&& RUNNING TensorRT.trtexec [TensorRT v{tag}] [b106] # trtexec") == version
+
+
+def test_fixture_banners_match_nvidias_logging_sources():
+    """logging.h defineTest(): no build tag up to 10.x, '[bNNN]' from 11 on (see tests/data/trtexec/README.md)."""
+    for name, banner in (("trt8.6_int8_b4.log", "[TensorRT v8601] #"), ("trt10_int8_b1.log", "[TensorRT v100300] #"),
+                         ("trt11_int8_b8.log", "[TensorRT v110100] [b106] #")):
+        runs = [line for line in (DATA / name).read_text().splitlines() if line.startswith("&&&&")]
+        assert runs and all(banner in line for line in runs), name
+    assert "--useCudaGraph" not in (DATA / "trt11_int8_b8.log").read_text()
 
 
 # ============================================================================= commands
@@ -108,15 +119,19 @@ def test_build_command_per_version():
     assert "--fp16" in fp16 and "--int8" not in fp16 and not any(a.startswith("--minShapes") for a in fp16)
     strong10 = trtexec.build_command("m.onnx", "m.engine", version="10.8", strongly_typed=True)
     assert "--stronglyTyped" in strong10 and "--fp16" not in strong10 and "--int8" not in strong10
-    for v in ("11.0", "11.4.1", (11, 1)):
+    for v in ("11.0", "11.4.1", (11, 1)):  # strongly typed is the only mode; --stronglyTyped is a deprecated no-op
         c11 = trtexec.build_command("m.onnx", "m.engine", version=v, **shapes)
-        assert "--stronglyTyped" in c11 and "--fp16" not in c11 and "--int8" not in c11
+        assert not {"--stronglyTyped", "--fp16", "--int8", "--best"} & set(c11)
     with pytest.raises(QATError, match="no --stronglyTyped"):
         trtexec.build_command("m.onnx", "m.engine", version="8.6", strongly_typed=True)
     g = trtexec.build_command("m.onnx", "m.engine", version="10.3", graph_prefix="m.engine", workspace_mib=4096)
     assert {"--exportLayerInfo=m.engine.layer.json", "--exportProfile=m.engine.profile.json",
-            "--profilingVerbosity=detailed", "--memPoolSize=workspace:4096"} <= set(g)
+            "--profilingVerbosity=detailed", "--memPoolSize=workspace:4096", "--separateProfileRun"} <= set(g)
     assert "--skipInference" not in g
+    g11 = trtexec.build_command("m.onnx", "m.engine", version="11.1", graph_prefix="m.engine")
+    assert "--profilingVerbosity=detailed" in g11 and "--separateProfileRun" not in g11  # always separate on 11
+    p = trtexec.build_command("m.onnx", "m.engine", version="10.3", plugins=["libA.so", "libB.so"])
+    assert "--staticPlugins=libA.so" in p and "--staticPlugins=libB.so" in p and "--plugins=libA.so" not in p
     with pytest.raises(QATError, match="all three"):
         trtexec.build_command("m.onnx", "m.engine", version="10.3", min_shape=(1, 3, 64, 64))
 
@@ -125,13 +140,19 @@ def test_benchmark_command():
     e = trtexec.benchmark_command("m.engine", batch=4, version="10.3")
     assert e == ["trtexec", "--loadEngine=m.engine", "--shapes=images:4x3x640x640", "--warmUp=500", "--duration=10",
                  "--useCudaGraph", "--useSpinWait", "--noDataTransfers"]
+    # TensorRT 11: CUDA graphs, spin wait and no data transfers are the defaults; the flags are deprecated no-ops
+    e11 = trtexec.benchmark_command("m.engine", batch=4, version="11.1", plugins=["libyolo.so"])
+    assert e11 == ["trtexec", "--loadEngine=m.engine", "--shapes=images:4x3x640x640", "--staticPlugins=libyolo.so",
+                   "--warmUp=500", "--duration=10"]
+    static_onnx = trtexec.benchmark_command("m.onnx", batch=1, version="10.3", shape=None)
+    assert not any(a.startswith(("--minShapes", "--optShapes", "--maxShapes", "--shapes")) for a in static_onnx)
     o10 = trtexec.benchmark_command("m.onnx", batch=8, version="10.3", int8=False, shape=(3, 320, 320),
                                     warmup=200, duration=3)
     assert o10[:5] == ["trtexec", "--onnx=m.onnx", "--minShapes=images:1x3x320x320",
                        "--optShapes=images:8x3x320x320", "--maxShapes=images:8x3x320x320"]
     assert "--fp16" in o10 and "--int8" not in o10 and "--warmUp=200" in o10 and "--duration=3" in o10
     o11 = trtexec.benchmark_command("m.onnx", batch=1, version="11.0")
-    assert "--stronglyTyped" in o11 and "--fp16" not in o11
+    assert not {"--stronglyTyped", "--fp16", "--int8", "--useCudaGraph"} & set(o11)
     static = trtexec.benchmark_command("m.engine", batch=1, version="10.3", shape=None)
     assert not any(a.startswith("--shapes") for a in static)
 
@@ -202,8 +223,7 @@ def test_benchmark_script_from_logs(tmp_path):
 
 
 def test_benchmark_script_without_trtexec_and_dry_run(tmp_path):
-    onnx = tmp_path / "qat.onnx"
-    onnx.write_bytes(b"x")
+    onnx = _tiny_onnx(tmp_path / "qat.onnx")
     env = _env(PATH=os.path.dirname(sys.executable) + os.pathsep + "/usr/bin:/bin")
     cmd = [sys.executable, str(REPO / "scripts" / "benchmark_trt.py"), "--int8", str(onnx), "--out", str(tmp_path)]
     if NO_TRTEXEC:
@@ -213,17 +233,35 @@ def test_benchmark_script_without_trtexec_and_dry_run(tmp_path):
                        text=True, timeout=60, env=env)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.strip().splitlines()
-    assert len(lines) == 2 and all("--stronglyTyped" in x and "--useCudaGraph" in x for x in lines)
+    assert len(lines) == 2 and not any("--stronglyTyped" in x or "--useCudaGraph" in x for x in lines)
     assert "--optShapes=images:4x3x640x640" in lines[1]
+    r = subprocess.run(cmd + ["--dry-run", "--trt-version", "10.3", "--batch", "1"], capture_output=True, text=True,
+                       timeout=60, env=env)
+    assert r.returncode == 0 and "--useCudaGraph" in r.stdout and "--int8" in r.stdout, r.stderr
+    # a static-shape export: no shape flags (trtexec: "Static model does not take explicit shapes"), its own batch
+    static = _tiny_onnx(tmp_path / "static.onnx", dynamic_hw=False, batch=1)
+    base = [sys.executable, str(REPO / "scripts" / "benchmark_trt.py"), "--int8", str(static), "--out", str(tmp_path),
+            "--dry-run", "--trt-version", "10.3"]
+    r = subprocess.run(base + ["--batch", "1"], capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0 and "Shapes" not in r.stdout and f"--onnx={static}" in r.stdout, r.stderr
+    r = subprocess.run(base + ["--batch", "1", "4"], capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 2 and "static-shape ONNX with batch 1, so it cannot run batch 4" in r.stderr
+    assert r.stdout == ""  # refused before any run
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"x")
+    r = subprocess.run([*base[:3], str(bad), *base[4:], "--batch", "1"], capture_output=True, text=True, timeout=60,
+                       env=env)
+    assert r.returncode == 2 and "is not a readable ONNX file" in r.stderr
 
 
 # ============================================================================= shell scripts
-def _tiny_onnx(path: Path, dynamic_hw: bool = True) -> Path:
+def _tiny_onnx(path: Path, dynamic_hw: bool = True, batch: int | str = "batch", nodes: list | None = None) -> Path:
     import onnx
     from onnx import TensorProto, helper
     hw = ["height", "width"] if dynamic_hw else [320, 320]
-    g = helper.make_graph([], "g", [helper.make_tensor_value_info("images", TensorProto.FLOAT, ["batch", 3, *hw])],
-                          [helper.make_tensor_value_info("output0", TensorProto.FLOAT, ["batch", 84, "anchors"])])
+    out = [batch, 84, "anchors" if dynamic_hw else 2100]
+    g = helper.make_graph(nodes or [], "g", [helper.make_tensor_value_info("images", TensorProto.FLOAT, [batch, 3, *hw])],
+                          [helper.make_tensor_value_info("output0", TensorProto.FLOAT, out)])
     onnx.save(helper.make_model(g), str(path))
     return path
 
@@ -257,7 +295,23 @@ def test_generate_trt_engine_sh(tmp_path):
     assert "--fp16" in r.stdout.split() and "--int8" not in r.stdout.split()
     r = _bash("generate_trt_engine.sh", str(onnx), str(engine), "--imgsz", "640", "--dry-run", "--trt-version",
               "11.0")
-    assert "--stronglyTyped" in r.stdout.split() and "--int8" not in r.stdout and "--fp16" not in r.stdout
+    assert r.returncode == 0 and not {"--stronglyTyped", "--int8", "--fp16"} & set(r.stdout.split())
+    # a graph with a plugin TensorRT does not ship: refused without its library, --staticPlugins with it
+    from onnx import helper
+    nmsx = helper.make_node("EfficientNMSX_TRT", ["images", "images"], ["a", "b", "c", "d", "e"], domain="TRT",
+                            plugin_version="1")
+    seg = _tiny_onnx(tmp_path / "seg.onnx", nodes=[nmsx])
+    r = _bash("generate_trt_engine.sh", str(seg), str(engine), "--imgsz", "640", "--dry-run", "--trt-version", "10.13")
+    assert r.returncode == 2 and "EfficientNMSX_TRT" in r.stderr and "not part of TensorRT" in r.stderr
+    assert "--plugins" in r.stderr and r.stderr.count("\n") == 1
+    lib = tmp_path / "libyolo_plugins.so"
+    lib.write_bytes(b"")
+    r = _bash("generate_trt_engine.sh", str(seg), str(engine), "--imgsz", "640", "--dry-run", "--trt-version", "10.13",
+              "--plugins", str(lib))
+    assert r.returncode == 0 and f"--staticPlugins={lib}" in r.stdout.split(), r.stderr
+    r = _bash("generate_trt_engine.sh", str(seg), str(engine), "--imgsz", "640", "--dry-run", "--trt-version", "10.13",
+              "--plugins", str(tmp_path / "missing.so"))
+    assert r.returncode == 2 and "plugin library" in r.stderr and "not found" in r.stderr
     r = _bash("generate_trt_engine.sh", str(onnx), str(engine), "--dry-run", "--trt-version", "10.3")
     assert r.returncode == 2 and "--imgsz" in r.stderr
 
@@ -308,6 +362,30 @@ def test_val_trt_sh_fails_clearly_without_tensorrt(tmp_path):
     r = _bash("val_trt.sh", str(weights), str(data), "640", "--generate-graph")
     assert r.returncode == 2 and r.stderr.startswith("error: trtexec was not found") and r.stderr.count("\n") == 1
     assert not (tmp_path / "qat_best.onnx").exists()  # failed before the export
+
+
+def test_val_trt_sh_exports_half_for_tensorrt_11(tmp_path):
+    """TensorRT 11 builds strongly typed only: the parts that are not quantized run in FP16 only when the ONNX says
+    so, so val_trt.sh exports with --half there (and not on 10). A stand-in trtexec and tensorrt package answer
+    the version check; the export itself then fails on the dummy checkpoint, after the command was printed."""
+    weights = tmp_path / "qat_best.pt"
+    weights.write_bytes(b"not a checkpoint")
+    data = tmp_path / "coco.yaml"
+    data.write_text("val: images\n")
+    pkg = tmp_path / "site" / "tensorrt"
+    pkg.mkdir(parents=True)
+    for version, tag, half in (("11.1.0", "110100", True), ("10.13.0", "101300", False)):
+        (pkg / "__init__.py").write_text(f"__version__ = {version!r}\nBuilder = object\n")
+        exe = tmp_path / "bin" / "trtexec"
+        exe.parent.mkdir(exist_ok=True)
+        exe.write_text(f"#!/bin/sh\necho '&&&& RUNNING TensorRT.trtexec [TensorRT v{tag}] # trtexec --help'\n")
+        exe.chmod(0o755)
+        env = _env(TRTEXEC=str(exe), PYTHONPATH=str(tmp_path / "site"))
+        r = _bash("val_trt.sh", str(weights), str(data), "640", env=env)
+        line = next((x for x in r.stdout.splitlines() if x.startswith("exporting")), "")
+        assert f"for TensorRT {version[:-2]}" in line or f"for TensorRT {version}" in line, r.stdout + r.stderr
+        assert line.rstrip().endswith("--half") == half, line
+        assert r.returncode != 0  # the dummy checkpoint
 
 
 @pytest.mark.skipif(not os.environ.get("YOLOV9_DIR"), reason="needs YOLOV9_DIR (a YOLOv9 tree) to patch")

@@ -13,12 +13,16 @@ and, for segmentation, ``output1`` (``B x nm x H/4 x W/4`` prototypes), and repl
 
 with K = ``topk_all``. Two back-ends give the same names, shapes and dtypes:
 
-- ``trt``: TensorRT's ``EfficientNMS_TRT`` plugin (segmentation: ``EfficientNMSX_TRT`` +
-  ``ROIAlign_TRT``, the plugins DeepStream uses), domain ``TRT``. TensorRT's ONNX parser maps an
-  unknown op to the registered plugin of that name and ``plugin_version``. No CPU runtime implements
-  these plugins; ONNX Runtime cannot run such a graph.
-- ``onnx``: standard ONNX operators only (``NonMaxSuppression``, ``TopK``, ``GatherND``, ``RoiAlign``),
-  which ONNX Runtime runs and TensorRT maps to its native NMS layer (no plugin; TensorRT 11 safe).
+- ``onnx`` (the default): standard ONNX operators only (``NonMaxSuppression``, ``TopK``, ``GatherND``,
+  ``RoiAlign``), which ONNX Runtime runs and TensorRT's parser maps to its native NMS layer (``INMSLayer``)
+  and, for ``RoiAlign``, to TensorRT's own ROIAlign_TRT version 2 plugin. Stock TensorRT 10 and 11, no
+  plugin library to pass.
+- ``trt``: TensorRT's ``EfficientNMS_TRT`` plugin, domain ``TRT`` (deprecated since TensorRT 10.12:
+  "use INMSLayer instead"; still in 11, as a deprecated V2 plugin). Segmentation: ``EfficientNMSX_TRT``,
+  which is NOT in NVIDIA's plugin library (it comes from third-party plugin builds used with DeepStream;
+  engines need that library: ``--plugins``), plus ``ROIAlign_TRT`` version 2. TensorRT's ONNX parser maps
+  an op of another domain to the registered plugin of that name, ``plugin_version`` and
+  ``plugin_namespace``. No CPU runtime implements these plugins; ONNX Runtime cannot run such a graph.
 
 NMS is per class (a box may be kept for several classes, like upstream ``non_max_suppression`` with
 ``multi_label=True`` as val.py uses it) unless ``class_agnostic`` (best class per box, one NMS).
@@ -35,17 +39,22 @@ from utils.qat.errors import QATError
 
 __all__ = ["BACKENDS", "OUTPUTS", "NMSOptions", "append_nms"]
 
-BACKENDS = ("trt", "onnx")
+BACKENDS = ("onnx", "trt")
 OUTPUTS = ("num_dets", "det_boxes", "det_scores", "det_classes")
 MASK_OUTPUT = "det_masks"
 TRT_DOMAIN = "TRT"
 MIN_OPSET = 13  # per-channel Q/DQ and the axes-as-input ReduceSum
+#: The largest K both NVIDIA statements allow: ITopKLayer "values up to 3840" (NvInfer.h), onnx-tensorrt's
+#: operators.md "K input must be less than 3840".
+MAX_TOPK = 3839
+#: ROIAlign_TRT version 2 (IPluginV3), in TensorRT's plugin library since 10.1; version 1 is deprecated (10.12).
+ROIALIGN_PLUGIN_VERSION = "2"
 
 
 @dataclass
 class NMSOptions:
     """The End2End settings (the export CLI's --topk-all, --iou-thres, ... flags)."""
-    backend: str = "trt"
+    backend: str = "onnx"
     topk_all: int = 100
     iou_thres: float = 0.45
     conf_thres: float = 0.25
@@ -57,8 +66,11 @@ class NMSOptions:
     def check(self) -> "NMSOptions":
         if self.backend not in BACKENDS:
             raise QATError(f"unknown NMS back-end '{self.backend}'; choose one of {', '.join(BACKENDS)}.")
-        if not 1 <= int(self.topk_all) <= 3840:  # TensorRT's TopK limit
-            raise QATError(f"--topk-all must be between 1 and 3840 (TensorRT's TopK limit), got {self.topk_all}.")
+        if not 1 <= int(self.topk_all) <= MAX_TOPK:
+            raise QATError(f"--topk-all must be between 1 and {MAX_TOPK} (TensorRT's TopK limit), got {self.topk_all}.")
+        if self.backend == "trt" and not 0.0 < float(self.iou_thres) <= 1.0:
+            raise QATError(f"--iou-thres must be above 0 and at most 1 with --nms trt (EfficientNMS_TRT rejects "
+                           f"iou_threshold <= 0), got {self.iou_thres}.")
         if not 0.0 <= float(self.iou_thres) <= 1.0:
             raise QATError(f"--iou-thres must be between 0 and 1, got {self.iou_thres}.")
         if not 0.0 <= float(self.conf_thres) < 1.0:
@@ -287,8 +299,9 @@ def _masks(b: _Builder, protos: str, coeffs: str, indices: str, nm: int, opts: N
     flat_batch = b.op("Reshape", [batch_idx, b.i64(-1)])  # B*K
     if opts.backend == "trt":
         pooled = b.op("ROIAlign_TRT", [protos, rois, b.op("Cast", [flat_batch], to=TensorProto.INT32)],
-                      domain=TRT_DOMAIN, coordinate_transformation_mode=1, mode=1, output_height=r, output_width=r,
-                      sampling_ratio=int(opts.sampling_ratio), spatial_scale=float(opts.pooler_scale))
+                      domain=TRT_DOMAIN, plugin_version=ROIALIGN_PLUGIN_VERSION, coordinate_transformation_mode=1,
+                      mode=1, output_height=r, output_width=r, sampling_ratio=int(opts.sampling_ratio),
+                      spatial_scale=float(opts.pooler_scale))
     else:
         pooled = b.op("RoiAlign", [protos, rois, flat_batch], coordinate_transformation_mode="half_pixel",
                       mode="avg", output_height=r, output_width=r, sampling_ratio=int(opts.sampling_ratio),

@@ -1,14 +1,20 @@
 """Engine graphs and precision summaries from TensorRT layer information (``trtexec --exportLayerInfo``).
 
-The layer JSON is ``{"Layers": [...], "Bindings": [...]}`` (TensorRT 10) or ``{"Layers": [...],
-"I/O Tensors": [{...}]}`` (TensorRT 11). With ``--profilingVerbosity=detailed`` every layer is a
-dict with ``Name``, ``LayerType``, ``Inputs``/``Outputs`` (``Name``, ``Dimensions``,
-``Format/Datatype``), and for convolutions ``Weights`` (``Type``, ``Count``); with the default
-verbosity layers are bare names and only the layer count is known.
+The layer JSON (``trtexec --exportLayerInfo``, or ``IEngineInspector.get_engine_information`` for engines
+built by ``utils.qat.trt_engine``) is ``{"Layers": [...], "Bindings": [...]}`` (TensorRT 10) or
+``{"Layers": [...], "I/O Tensors": [{...}]}`` (TensorRT 11: "Migrating IEngineInspector Usage from
+TensorRT 10.x to 11.x"). With ``--profilingVerbosity=detailed`` every layer is a dict with ``Name``,
+``LayerType``, ``Inputs``/``Outputs`` (``Name``, ``Dimensions``, and the data type: one
+``Format/Datatype`` string on 10, which the 11.0 migration overview announces is split in two; the split
+layout is not spelled out field by field in NVIDIA's pages, so a separate ``DataType``/``Datatype`` is read
+first, then ``Format/Datatype``, then ``Format``), and for convolutions ``Weights`` (``Type``, ``Count``);
+with the default verbosity layers are bare names and only the layer count is known.
 
 :func:`render_graph` draws the graph to SVG with TREx (``trex``, ``./install_dependencies.sh --trex``)
-when it is importable, else as plain Graphviz DOT written here (rendered with the ``dot`` binary when
-present, else the ``.dot`` is kept and the command to render it is printed).
+when it is importable and the JSON is TensorRT 10's (TREx reads ``Bindings`` and ``Format/Datatype`` only;
+it was removed from TensorRT in 11.1, replaced by Nsight Deep Learning Designer), else as plain Graphviz
+DOT written here (rendered with the ``dot`` binary when present, else the ``.dot`` is kept and the command
+to render it is printed).
 :func:`precision_summary` answers "how much runs in INT8": layers per output datatype, reformats.
 """
 from __future__ import annotations
@@ -30,6 +36,7 @@ from utils.qat.errors import QATError, run_cli
 
 PathLike = Union[str, "os.PathLike[str]"]
 INSTALL_TREX = "./install_dependencies.sh --trex"
+NSIGHT_DL_DESIGNER = "Nsight Deep Learning Designer (https://developer.nvidia.com/nsight-dl-designer)"
 PRECISION_ORDER = ("INT8", "FP8", "INT4", "FP4", "FP16", "BF16", "FP32", "INT32", "INT64", "UINT8", "BOOL", "unknown")
 COLORS = {"INT8": "#76b900", "FP8": "#a6d854", "INT4": "#b3de69", "FP4": "#b3de69", "FP16": "#6baed6",
           "BF16": "#9ecae1", "FP32": "#fb6a4a", "INT32": "#bdbdbd", "INT64": "#bdbdbd", "UINT8": "#bdbdbd",
@@ -73,11 +80,23 @@ def _tensors(layer: dict[str, Any], key: str) -> list[dict[str, Any]]:
     return [t for t in items if isinstance(t, dict)]
 
 
+def tensor_dtype(tensor: dict[str, Any]) -> str:
+    """A layer tensor's data type: ``DataType``/``Datatype`` (TensorRT 11's split fields), else the
+    ``Format/Datatype`` string (TensorRT 10), else the ``Format`` string."""
+    for key in ("DataType", "Datatype", "Format/Datatype", "Format"):
+        value = tensor.get(key)
+        if value:
+            found = datatype(str(value))
+            if found != "unknown":
+                return found
+    return "unknown"
+
+
 def layer_output_dtype(layer: dict[str, Any] | str) -> str:
     if not isinstance(layer, dict):
         return "unknown"
     outs = _tensors(layer, "Outputs")
-    return datatype(outs[0].get("Format/Datatype")) if outs else "unknown"
+    return tensor_dtype(outs[0]) if outs else "unknown"
 
 
 def is_reformat(layer: dict[str, Any] | str) -> bool:
@@ -186,7 +205,7 @@ def to_dot(doc: dict[str, Any], title: str = "engine") -> str:
             src = producer.get(str(t.get("Name")))
             if src is not None:
                 dims = "x".join(str(d) for d in t.get("Dimensions", []))
-                edge = f"{datatype(t.get('Format/Datatype'))} {dims}".strip()
+                edge = f"{tensor_dtype(t)} {dims}".strip()
                 lines.append(f"  {src} -> L{i} [label={_q(edge)}];")
     for i, name in enumerate(outs):
         src = producer.get(name)
@@ -217,8 +236,21 @@ def _render_with_dot(dot_path: Path, svg_path: Path) -> str | None:
     return None
 
 
-def _try_trex(layer_json: Path, profile_json: Path | None, svg_path: Path) -> tuple[Path | None, str]:
+def _trex_graphing(trex: Any) -> Any:
+    """Where TREx keeps ``to_dot``, ``render_dot`` and ``layer_type_formatter``: ``trex.graphing`` since TREx 0.1.8
+    (its ``__init__`` no longer imports the graphing module), the top-level package before."""
+    try:
+        import trex.graphing as graphing
+        return graphing
+    except ImportError:
+        return trex
+
+
+def _try_trex(layer_json: Path, profile_json: Path | None, svg_path: Path, doc: dict[str, Any]) -> tuple[Path | None, str]:
     """Render with TREx; (svg or None, message)."""
+    if "I/O Tensors" in doc or "Bindings" not in doc:
+        return None, (f"TREx reads TensorRT 10 layer information only (it was removed from TensorRT in 11.1; "
+                      f"{NSIGHT_DL_DESIGNER} shows TensorRT 11 engines)")
     try:
         import trex
     except ImportError:
@@ -226,9 +258,10 @@ def _try_trex(layer_json: Path, profile_json: Path | None, svg_path: Path) -> tu
     if shutil.which("dot") is None:
         return None, f"TREx needs Graphviz's `dot` binary, which is not installed (install with {INSTALL_TREX})"
     try:
+        graphing = _trex_graphing(trex)
         plan = trex.EnginePlan(str(layer_json), str(profile_json) if profile_json else None)
-        graph = trex.to_dot(plan, trex.layer_type_formatter, display_regions=True, expand_layer_details=False)
-        out = trex.render_dot(graph, str(svg_path.with_suffix("")), "svg")
+        graph = graphing.to_dot(plan, graphing.layer_type_formatter, display_regions=True, expand_layer_details=False)
+        out = graphing.render_dot(graph, str(svg_path.with_suffix("")), "svg")
         return Path(out), "rendered with TREx"
     except Exception as e:  # TREx is experimental and tied to TensorRT's JSON schema: fall back, say why
         return None, f"TREx could not render this plan ({type(e).__name__}: {e})"
@@ -246,7 +279,7 @@ def render_graph(layer_json: PathLike, out_svg: PathLike | None = None, profile_
         profile = None
     note = ""
     if use_trex:
-        done, note = _try_trex(layer_json, profile, svg)
+        done, note = _try_trex(layer_json, profile, svg, doc)
         if done is not None:
             return GraphResult(done, None, "trex", f"wrote {done} ({note})")
     dot_path = svg.with_suffix(".dot")

@@ -8,7 +8,7 @@
 2. optionally simplifies it (``onnx_qdq.simplify``: onnxslim, Q/DQ checked to survive; a failure keeps
    the unsimplified graph and says so in the report),
 3. lints the Q/DQ placement of quantized graphs (``onnx_qdq.lint``),
-4. optionally converts the floating-point parts to FP16 (:func:`to_half`),
+4. optionally converts the floating-point parts to FP16 with NVIDIA ModelOpt AutoCast (:func:`to_fp16`),
 5. optionally appends NMS (``end2end.append_nms``),
 6. writes metadata (``stride``, ``names`` as JSON, ``task``, ``imgsz``, ``quantized``, ``version``, ...)
    and saves the file atomically: nothing half-written is left on any error.
@@ -36,7 +36,7 @@ from utils.qat import __version__, onnx_qdq
 from utils.qat.atomic import atomic_path
 from utils.qat.errors import QATError
 
-__all__ = ["export_onnx", "format_report", "to_half", "fold_weight_qdq", "quantized_weights", "load_for_export",
+__all__ = ["export_onnx", "format_report", "to_fp16", "fold_weight_qdq", "quantized_weights", "load_for_export",
            "parse_imgsz", "find_head", "head_kind", "is_quantized_model", "readable", "DeepStreamOutput",
            "OUTPUT_NAMES"]
 
@@ -175,176 +175,64 @@ class DeepStreamOutput(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------
-# FP16
+# FP16 (NVIDIA ModelOpt AutoCast)
 # ---------------------------------------------------------------------------------------------
 
-_FLOAT16 = "tensor(float16)"
-#: Kept float32 at every opset (from opset 19 they could take float16, but the scales stay exact).
-_KEEP_FP32 = {"QuantizeLinear", "DequantizeLinear"}
+#: What AutoCast needs beyond nvidia-modelopt itself (its ``[onnx]`` extra pins onnx and onnxruntime-gpu).
+AUTOCAST_PACKAGES = "onnx-graphsurgeon onnxscript lief polygraphy"
 
 
-def _formal(schema, index: int, inputs: bool):
-    """The formal parameter of an op schema that actual input/output ``index`` binds to (None if none)."""
-    formals = schema.inputs if inputs else schema.outputs
-    if not formals:
-        return None
-    if index < len(formals):
-        return formals[index]
-    last = formals[-1]
-    return last if last.option == onnx.defs.OpSchema.FormalParameterOption.Variadic else None
+@contextlib.contextmanager
+def _quiet_loggers(*names: str):
+    """Only errors from these loggers (AutoCast logs every step at INFO, its converter warns on the root logger)."""
+    import logging
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    try:
+        for lg in loggers:
+            lg.setLevel(logging.ERROR)
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
-def _takes_fp16(schema, index: int, inputs: bool) -> bool:
-    f = _formal(schema, index, inputs) if schema is not None else None
-    if f is None:
-        return False
-    for c in schema.type_constraints:
-        if c.type_param_str == f.type_str:
-            return _FLOAT16 in c.allowed_type_strs
-    return f.type_str == _FLOAT16
+def to_fp16(model: onnx.ModelProto, imgsz: tuple[int, int], batch_size: int = 1, seed: int = 0) -> onnx.ModelProto:
+    """The floating-point parts of ``model`` in FP16, converted by NVIDIA ModelOpt AutoCast
+    (``modelopt.onnx.autocast.convert_to_mixed_precision``, the tool TensorRT 11's migration guide names for
+    strongly typed FP16), graph inputs and outputs kept FP32 (``keep_io_types``).
 
-
-def to_half(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Float32 -> float16 for the floating-point parts of a graph. Graph inputs and outputs stay float32
-    (a Cast at each end); QuantizeLinear / DequantizeLinear stay float32, scales included.
-
-    Which ops compute in float16 follows from each op's ONNX schema at the model's opset: an op whose
-    float outputs cannot be float16 (Range, ...) or whose float input cannot be (NonMaxSuppression,
-    Resize's scales) gets float32 there; QuantizeLinear / DequantizeLinear always do.
-    Casts are inserted wherever a float16 tensor meets a float32 one; constants are converted in place
-    (a float16 copy where both kinds of reader exist).
+    AutoCast keeps in FP32 the nodes whose values exceed FP16's comfortable range (``data_max`` 512, e.g. box
+    coordinates in pixels at 640 px), measured on one input of the export's size (uniform noise in [0, 1],
+    ``seed``): a dynamic graph has no size of its own for AutoCast's random inputs. On a Q/DQ graph it moves to
+    opset 19, where Q/DQ scales are FP16 and DequantizeLinear feeds each Conv directly (no Cast in between).
     """
-    src = onnx.shape_inference.infer_shapes(model, strict_mode=False)
-    g = src.graph
-    opsets = {o.domain or "": o.version for o in src.opset_import}
-    F32, F16 = TensorProto.FLOAT, TensorProto.FLOAT16
-    types: dict[str, int] = {}
-    for v in list(g.input) + list(g.output) + list(g.value_info):
-        if v.type.HasField("tensor_type"):
-            types[v.name] = v.type.tensor_type.elem_type
-    types.update({t.name: t.data_type for t in g.initializer})
-    nodes = list(g.node)  # one wrapper object per node: id() is used as a key below
-    const_nodes = {n.output[0]: n for n in nodes if n.op_type == "Constant"}
-    for name, n in const_nodes.items():
-        for a in n.attribute:
-            if a.name == "value":
-                types[name] = a.t.data_type
-    inits = {t.name: t for t in g.initializer}
-
-    schemas: dict[int, object] = {}
-    for n in nodes:
-        if n.op_type in _KEEP_FP32:
-            schemas[id(n)] = None
-            continue
-        try:
-            schemas[id(n)] = onnx.defs.get_schema(n.op_type, opsets.get(n.domain or "", 1), n.domain or "")
-        except onnx.defs.SchemaError:
-            schemas[id(n)] = None  # custom ops (TensorRT plugins): float32
-    readers: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
-    for n in nodes:
-        for i, name in enumerate(n.input):
-            if name:
-                readers.setdefault(name, []).append((n, i))
-
-    new_nodes: list[onnx.NodeProto] = []
-    tensor16: set[str] = set()
-    casts: dict[tuple[str, int], str] = {}
-    const16: dict[str, str] = {}
-
-    def cast(name: str, to: int) -> str:
-        if (name, to) not in casts:
-            out = f"{name}__{'fp16' if to == F16 else 'fp32'}"
-            new_nodes.append(helper.make_node("Cast", [name], [out], name=f"{out}/Cast", to=to))
-            casts[(name, to)] = out
-        return casts[(name, to)]
-
-    def as16(name: str) -> str:  # a float16 copy of a float32 constant
-        if name not in const16:
-            new = f"{name}__fp16"
-            if name in inits:
-                arr = numpy_helper.to_array(inits[name]).astype(np.float16)
-                g.initializer.append(numpy_helper.from_array(arr, new))
-            else:
-                val = next(a.t for a in const_nodes[name].attribute if a.name == "value")
-                arr = numpy_helper.to_array(val).astype(np.float16)
-                new_nodes.append(helper.make_node("Constant", [], [new], name=f"{new}/Constant",
-                                                  value=numpy_helper.from_array(arr, new)))
-            const16[name] = new
-        return const16[name]
-
-    for n in nodes:
-        if n.op_type == "Constant":
-            new_nodes.append(n)
-            continue
-        schema = schemas[id(n)]
-        float_in = [i for i, x in enumerate(n.input) if x and types.get(x) == F32]
-        float_out = [i for i, x in enumerate(n.output) if x and types.get(x) == F32]
-        is16 = [x in tensor16 for x in n.input]
-        if n.op_type == "Cast":
-            # Cast(to=FLOAT): float16 unless every reader needs float32 (modelopt's Cast before a Q)
-            node16 = bool(float_out) and any(_takes_fp16(schemas[id(r)], i, True)
-                                             for r, i in readers.get(n.output[0], []))
-            want = {}
-        elif float_out:
-            node16 = all(_takes_fp16(schema, j, False) for j in float_out)
-            want = {i: node16 and _takes_fp16(schema, i, True) for i in float_in}
-        else:  # float inputs only (Shape, Greater, NonMaxSuppression, QuantizeLinear, ...)
-            node16 = False
-            can = all(_takes_fp16(schema, i, True) for i in float_in)
-            any16 = any(is16[i] for i in float_in)
-            want = {i: can and any16 for i in float_in}
-        for i, wants16 in want.items():
-            x = n.input[i]
-            if x in inits or x in const_nodes:
-                if wants16:
-                    n.input[i] = as16(x)
-            elif wants16 and not is16[i]:
-                n.input[i] = cast(x, F16)
-            elif not wants16 and is16[i]:
-                n.input[i] = cast(x, F32)
-        if node16:
-            tensor16.update(n.output[j] for j in float_out)
-            for a in n.attribute:
-                if n.op_type == "Cast" and a.name == "to":
-                    a.i = F16
-                elif n.op_type == "ConstantOfShape" and a.name == "value" and a.t.data_type == F32:
-                    a.t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(a.t).astype(np.float16)))
-        new_nodes.append(n)
-
-    for o in g.output:  # graph outputs stay float32
-        if o.name in tensor16:
-            internal = f"{o.name}__fp16"
-            for n in new_nodes:
-                n.input[:] = [internal if x == o.name else x for x in n.input]
-                n.output[:] = [internal if x == o.name else x for x in n.output]
-            new_nodes.append(helper.make_node("Cast", [internal], [o.name], name=f"{o.name}/Cast_fp32", to=F32))
-    used = {x for n in new_nodes for x in n.input} | {o.name for o in g.output}
-    new_nodes = [n for n in new_nodes if not (n.op_type == "Constant" and n.output[0] not in used)]
-    del g.node[:]
-    g.node.extend(_toposort(new_nodes, {i.name for i in g.input} | {t.name for t in g.initializer}))
-    keep = [t for t in g.initializer if t.name in used]
-    del g.initializer[:]
-    g.initializer.extend(keep)
-    del g.value_info[:]
-    return src
-
-
-def _toposort(nodes: list[onnx.NodeProto], available: set[str]) -> list[onnx.NodeProto]:
-    ready = set(available)
-    out: list[onnx.NodeProto] = []
-    pending = list(nodes)
-    while pending:
-        rest = []
-        for n in pending:
-            if all((not i) or i in ready for i in n.input):
-                out.append(n)
-                ready.update(o for o in n.output if o)
-            else:
-                rest.append(n)
-        if len(rest) == len(pending):  # inputs from subgraphs / unknown: keep the order
-            out.extend(rest)
-            break
-        pending = rest
+    try:
+        from modelopt.onnx.autocast import convert_to_mixed_precision
+    except ImportError as e:
+        raise QATError(f"--half needs NVIDIA ModelOpt's ONNX tools (import modelopt.onnx.autocast: {e}); install "
+                       f"them with ./install_dependencies.sh (pip install {AUTOCAST_PACKAGES}).") from e
+    import tempfile
+    inits = {t.name for t in model.graph.initializer}
+    inputs = [i for i in model.graph.input if i.name not in inits]
+    if len(inputs) != 1:
+        raise QATError(f"FP16 conversion expects one image input, the graph has {len(inputs)}; export without --half.")
+    h, w = imgsz
+    x = np.random.default_rng(seed).random((batch_size, 3, h, w), dtype=np.float32)
+    with tempfile.TemporaryDirectory(prefix="yolov9-qat-autocast-") as d:
+        src, data = Path(d) / "fp32.onnx", Path(d) / "inputs.npz"
+        onnx.save(model, str(src))
+        np.savez(data, **{inputs[0].name: x})
+        with _quiet_loggers("modelopt", "modelopt.onnx", "modelopt.onnx.autocast", ""):
+            try:
+                out = convert_to_mixed_precision(str(src), low_precision_type="fp16", keep_io_types=True,
+                                                 calibration_data=str(data), providers=["cpu"])
+            except QATError:
+                raise
+            except Exception as e:  # AutoCast raises many types (shape inference, ORT reference run, opset conversion)
+                why = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+                raise QATError(f"ModelOpt AutoCast could not convert the graph to FP16 ({type(e).__name__}: {why}); "
+                               f"export without --half.") from e
     return out
 
 
@@ -550,13 +438,13 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, *, imgsz: int | Seque
                     simplify_status = "done"
                 except RuntimeError as e:
                     simplify_status = f"failed: {e}; kept the unsimplified graph"
-            lint = None
-            if quantized:
-                patterns = tuple(onnx_qdq.DEFAULT_ALLOW_FP) + tuple(_module_to_onnx_pattern(p) for p in allow_fp)
-                lint = onnx_qdq.lint(onnx_model, allow_fp=patterns)
             summary = onnx_qdq.qdq_summary(onnx_model)
             if half:
-                onnx_model = to_half(onnx_model)
+                onnx_model = to_fp16(onnx_model, (h, w), batch_size)
+            lint = None
+            if quantized:  # the graph TensorRT gets (after FP16 conversion: AutoCast rewrites the Q/DQ scales)
+                patterns = tuple(onnx_qdq.DEFAULT_ALLOW_FP) + tuple(_module_to_onnx_pattern(p) for p in allow_fp)
+                lint = onnx_qdq.lint(onnx_model, allow_fp=patterns)
             if nms is not None:
                 onnx_model = e2e.append_nms(onnx_model, nc=nc, task=task, options=nms,
                                             pred=output_names[0], protos=output_names[-1])
@@ -629,7 +517,7 @@ def format_report(report: dict) -> str:
              f"  inputs:  {', '.join(_shape(i) for i in report['inputs'])}",
              f"  outputs: {', '.join(_shape(o) for o in report['outputs'])}",
              f"  opset {report['opset']}, {'INT8 Q/DQ' if report['quantized'] else 'floating point'}"
-             + (", FP16 (inputs/outputs FP32)" if report["half"] else "")
+             + (", FP16 by ModelOpt AutoCast (inputs/outputs FP32)" if report["half"] else "")
              + f", simplify: {report['simplify']}"]
     if report["quantized"]:
         lines.append(f"  Q/DQ pairs {report['qdq_pairs']} (merged {report['deduped']} redundant nodes), "
@@ -637,12 +525,12 @@ def format_report(report: dict) -> str:
                      f"{report['int8_weights']} weights stored as INT8")
     if report["end2end"]:
         e = report["end2end"]
-        plugin = "EfficientNMS_TRT plugin" if e["backend"] == "trt" else "ONNX NonMaxSuppression"
+        seg = report.get("metadata", {}).get("task") == "segment"
+        plugin = (("EfficientNMSX_TRT plugin (third-party, not in TensorRT)" if seg else "EfficientNMS_TRT plugin")
+                  if e["backend"] == "trt" else "ONNX NonMaxSuppression (TensorRT's native NMS layer)")
         lines.append(f"  End2End: {plugin}, topk {e['topk_all']}, iou {e['iou_thres']}, conf {e['conf_thres']}"
                      + (", class-agnostic" if e["class_agnostic"] else ""))
     if report["lint"] is not None:
         text = onnx_qdq.format_lint(report["lint"])
-        if report["half"]:
-            text = text.replace("Q/DQ lint:", "Q/DQ lint (before FP16 casts):", 1)
         lines.extend("  " + line for line in text.splitlines())
     return "\n".join(lines)

@@ -23,7 +23,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-__all__ = ["FINDING_KINDS", "lint", "format_lint", "dedupe_qdq", "simplify", "qdq_summary"]
+__all__ = ["FINDING_KINDS", "lint", "format_lint", "dedupe_qdq", "simplify", "qdq_summary", "conv_feeds"]
 
 #: Every finding kind :func:`lint` can report, in report order.
 FINDING_KINDS = (
@@ -31,6 +31,7 @@ FINDING_KINDS = (
     "conv_weight_not_quantized",
     "weight_scale_not_per_channel",
     "nonzero_zero_point",
+    "nonpositive_scale",
     "concat_scale_mismatch",
     "maxpool_scale_mismatch",
     "resize_scale_mismatch",
@@ -370,6 +371,8 @@ def lint(model: ModelLike, allow_fp: Iterable[str] = DEFAULT_ALLOW_FP) -> dict:
     - ``weight_scale_not_per_channel`` (the weight DQ): per-tensor scale, or axis / scale count not
       the output channels (axis 0; ConvTranspose axis 1), when there is more than one output channel;
     - ``nonzero_zero_point`` (Q / DQ): zero point not 0, not int8, or absent (ONNX's default is uint8);
+    - ``nonpositive_scale`` (Q / DQ): a constant scale that is 0, negative or not finite (TensorRT's ONNX
+      parser rejects it: "Scale coefficients must all be positive"; an FP16 scale can underflow to 0);
     - ``concat_scale_mismatch`` (Concat): its DQ inputs, and the Q of its output, differ in scale;
     - ``maxpool_scale_mismatch`` / ``resize_scale_mismatch`` (MaxPool / nearest Resize or Upsample):
       input DQ scale differs from output Q scale;
@@ -434,6 +437,8 @@ def lint(model: ModelLike, allow_fp: Iterable[str] = DEFAULT_ALLOW_FP) -> dict:
 
         elif op in (Q, DQ):
             scale, zp, zp_type = g.qparams(n)
+            if scale is not None and not np.all(np.isfinite(scale.astype(np.float64)) & (scale > 0)):
+                add("nonpositive_scale", n)
             if len(n.input) > 2 and n.input[2]:
                 if zp is None or zp_type != onnx.TensorProto.INT8 or np.any(zp != 0):
                     add("nonzero_zero_point", n)
@@ -740,3 +745,32 @@ def qdq_summary(model: ModelLike) -> dict:
         "inputs": [_value_info(v) for v in m.graph.input if v.name not in inits],
         "outputs": [_value_info(v) for v in m.graph.output],
     }
+
+
+def conv_feeds(model: ModelLike) -> dict[str, dict[str, int]]:
+    """What feeds each Conv, literally (no look-through): ``{"input": {pattern: count}, "weight": {...}}`` with
+    patterns such as ``"DequantizeLinear -> Conv"`` or ``"DequantizeLinear -> Cast(FLOAT16) -> Conv"`` (the chain
+    of Casts between the producer and the Conv is spelled out; ``initializer`` / ``graph input`` when no node
+    produces the tensor). TensorRT fuses DQ -> Conv into an INT8 convolution; a Cast in between is what
+    ModelOpt removes "for optimal TRT fusion"."""
+    m = _load(model)
+    producer = {o: n for n in m.graph.node for o in n.output}
+    inits = {t.name for t in m.graph.initializer}
+
+    def chain(name: str) -> str:
+        links = []
+        n = producer.get(name)
+        while n is not None and n.op_type == "Cast":
+            to = int(_attr(n, "to", 0))
+            links.append(f"Cast({onnx.TensorProto.DataType.Name(to) if to else '?'})")
+            n = producer.get(n.input[0])
+        head = n.op_type if n is not None else ("initializer" if name in inits else "graph input")
+        return " -> ".join([head, *reversed(links), "Conv"])
+
+    feeds: dict[str, dict[str, int]] = {"input": defaultdict(int), "weight": defaultdict(int)}
+    for n in m.graph.node:
+        if n.op_type == "Conv":
+            feeds["input"][chain(n.input[0])] += 1
+            if len(n.input) > 1:
+                feeds["weight"][chain(n.input[1])] += 1
+    return {k: dict(sorted(v.items(), key=lambda kv: -kv[1])) for k, v in feeds.items()}

@@ -3,18 +3,25 @@
 Written from the TensorRT 10 and 11 Python API documentation and type-checked against
 ``tensorrt-stubs``; ``tensorrt`` is imported lazily so that this module imports without it.
 
-- :func:`build_engine`: ONNX parser -> builder config -> optimization profile -> serialized
-  engine, written atomically, plus a JSON sidecar ``X.engine.json`` (TensorRT version, stride,
-  names, imgsz, end2end, task, onnx) so nothing downstream hard-codes a stride.
+- :func:`build_engine`: plugins (TensorRT's own, ``init_libnvinfer_plugins``, and any ``plugins``
+  libraries) -> ONNX parser -> builder config -> optimization profile -> serialized engine, written
+  atomically, plus a JSON sidecar ``X.engine.json`` (TensorRT version, stride, names, imgsz, end2end,
+  task, onnx, plugins) so nothing downstream hard-codes a stride; with ``layer_info`` also the layer
+  JSON ``X.engine.layer.json`` (``ProfilingVerbosity.DETAILED`` + ``IEngineInspector``).
   TensorRT 10: an explicit-quantization (Q/DQ) ONNX is built weakly typed with the FP16 and INT8
   builder flags, or strongly typed when asked. TensorRT 11: strongly typed only; the FP16/INT8
   builder flags no longer exist, FP16 for non-quantized parts comes from a ``--half`` export.
-- :class:`TRTBackend`: runs an engine through the named I/O tensor API (``set_input_shape``,
-  ``set_tensor_address``, ``execute_async_v3``) with torch CUDA tensors as device buffers.
+- :class:`TRTBackend`: loads the plugins, then runs an engine through the named I/O tensor API
+  (``set_input_shape``, ``set_tensor_address``, ``execute_async_v3``) with torch CUDA tensors as
+  device buffers.
+
+Every TensorRT call here is listed, with the TensorRT 10.x / 11.x documentation or source that says
+how it behaves, in docs/TENSORRT.md ("TensorRT API, flags and plugins used").
 """
 from __future__ import annotations
 
 import ast
+import ctypes
 import json
 import os
 import re
@@ -33,6 +40,13 @@ if TYPE_CHECKING:  # torch is imported where it is used, so that the metadata he
 INSTALL_TENSORRT = "./install_dependencies.sh --tensorrt"
 END2END_OUTPUTS = ("num_dets", "det_boxes", "det_scores", "det_classes")
 METADATA_SUFFIX = ".json"  # the sidecar of X.engine is X.engine.json
+LAYER_INFO_SUFFIX = ".layer.json"  # X.engine.layer.json, as trtexec --exportLayerInfo names it here
+#: Plugins that TensorRT's own plugin library (libnvinfer_plugin) does not provide.
+THIRD_PARTY_PLUGINS = {"EfficientNMSX_TRT": "third-party plugin builds (such as those DeepStream YOLO setups "
+                                            "compile), not NVIDIA's plugin library"}
+#: ONNX ops that TensorRT's ONNX parser imports as a plugin of its own (name, version): RoiAlign is ROIAlign_TRT
+#: version 2 (IPluginV3) since TensorRT 10.1 (onnx-tensorrt onnxOpImporters.cpp, DEFINE_BUILTIN_OP_IMPORTER(RoiAlign)).
+PARSER_PLUGINS = {"RoiAlign": ("ROIAlign_TRT", "2")}
 
 PathLike = Union[str, "os.PathLike[str]"]
 Output = Union["torch.Tensor", "tuple[torch.Tensor, ...]", "dict[str, torch.Tensor]"]
@@ -106,6 +120,84 @@ def _dims(d: Any) -> tuple[int, ...]:
     return tuple(int(d[i]) for i in range(len(d)))
 
 
+# ----------------------------------------------------------------------------- logger, plugins
+def _make_logger(verbose: bool = False) -> trt.ILogger:
+    """A ``tensorrt.ILogger`` that prints like ``trt.Logger`` and keeps the errors (``.errors``), so that a
+    failure can be named in one sentence (a missing plugin, a parser error)."""
+    import tensorrt as trt
+
+    severity = trt.ILogger.Severity
+    threshold = severity.VERBOSE if verbose else severity.WARNING
+    errors = (severity.ERROR, severity.INTERNAL_ERROR)
+
+    class CapturingLogger(trt.ILogger):
+        def __init__(self) -> None:
+            trt.ILogger.__init__(self)
+            self.errors: list[str] = []
+
+        def log(self, sev: trt.ILogger.Severity, msg: str) -> None:
+            if sev in errors:
+                self.errors.append(str(msg))
+            if int(sev) <= int(threshold):
+                print(f"[TensorRT] {getattr(sev, 'name', sev)}: {msg}", file=sys.stderr)
+
+    return CapturingLogger()
+
+
+def load_plugins(logger: trt.ILogger, plugins: Sequence[PathLike] = ()) -> None:
+    """Register TensorRT's own plugins (``init_libnvinfer_plugins``: EfficientNMS_TRT, ROIAlign_TRT, ...), then
+    load each plugin library in ``plugins``; their creators register themselves when the library loads, as with
+    ``trtexec --staticPlugins`` and Polygraphy's ``--plugins`` (``ctypes.CDLL``). Needed before parsing an ONNX
+    with plugin nodes and before deserializing an engine that holds plugins: trtexec does both itself, a Python
+    process does not (NVIDIA/TensorRT issue #2675)."""
+    import tensorrt as trt
+    if not trt.init_libnvinfer_plugins(logger, ""):
+        raise QATError("TensorRT could not register its plugin library (init_libnvinfer_plugins failed); check "
+                       f"that libnvinfer_plugin comes with the installed TensorRT ({INSTALL_TENSORRT}).")
+    for p in plugins:
+        path = Path(p)
+        if not path.is_file():
+            raise QATError(f"plugin library {path} not found; pass the .so file that provides the plugin with "
+                           f"--plugins PATH.")
+        try:
+            ctypes.CDLL(str(path.resolve()), mode=ctypes.RTLD_GLOBAL)
+        except OSError as e:
+            raise QATError(f"could not load plugin library {path} ({e}); build it against the installed TensorRT "
+                           f"and CUDA and pass it again.") from e
+
+
+def plugin_hint(name: str) -> str:
+    """Where a plugin comes from, for the error sentences."""
+    if name in THIRD_PARTY_PLUGINS:
+        return f"{name} is not part of TensorRT (it comes from {THIRD_PARTY_PLUGINS[name]}): pass that library"
+    return f"{name} should come with TensorRT's plugin library (libnvinfer_plugin); if it is your own, pass its library"
+
+
+def missing_plugins(required: Sequence[dict[str, str]]) -> list[dict[str, str]]:
+    """The plugins of ``required`` (``{"name", "version", "namespace"}``) with no creator in the registry."""
+    import tensorrt as trt
+    registry = trt.get_plugin_registry()
+    return [p for p in required
+            if registry.get_creator(p["name"], p["version"], p.get("namespace", "")) is None]
+
+
+def _require_plugins(required: Sequence[dict[str, str]], what: str) -> None:
+    missing = missing_plugins(required)
+    if missing:
+        p = missing[0]
+        raise QATError(f"{what} needs the plugin {p['name']} (version {p['version']}), which is not registered: "
+                       f"{plugin_hint(p['name'])} with --plugins PATH.so.")
+
+
+def _plugin_from_log(errors: Sequence[str]) -> str | None:
+    """The plugin a deserialization error names ("getPluginCreator could not find plugin: X version: 1")."""
+    for line in errors:
+        m = re.search(r"could not find plugin:?\s*([A-Za-z0-9_]+)", line, re.IGNORECASE)
+        if m:
+            return m.group(1)
+    return None
+
+
 # ----------------------------------------------------------------------------- metadata sidecar
 def metadata_path(engine_path: PathLike) -> Path:
     p = Path(engine_path)
@@ -116,12 +208,15 @@ def onnx_metadata(onnx_path: PathLike) -> dict[str, Any]:
     """Stride, names, task and End2End-ness of an exported ONNX (YOLOv9 export writes ``stride`` and
     ``names`` into ``metadata_props``). Missing pieces are None; needs the ``onnx`` package."""
     meta: dict[str, Any] = {"stride": None, "names": None, "end2end": False, "task": "detect", "imgsz": None,
-                            "input_name": None}
+                            "input_name": None, "plugins": []}
     try:
         import onnx
     except ImportError:
         return meta
-    model = onnx.load(str(onnx_path), load_external_data=False)
+    try:
+        model = onnx.load(str(onnx_path), load_external_data=False)
+    except Exception:  # not an ONNX file: the TensorRT parser says so with its own error
+        return meta
     props = {p.key: p.value for p in model.metadata_props}
     if "stride" in props:
         try:
@@ -145,6 +240,7 @@ def onnx_metadata(onnx_path: PathLike) -> dict[str, Any]:
 
     is_seg = "det_masks" in outputs or (not meta["end2end"] and any(rank(o) == 4 for o in model.graph.output))
     meta["task"] = props.get("task") or ("segment" if is_seg else "detect")
+    meta["plugins"] = onnx_plugins(model)
     initializers = {i.name for i in model.graph.initializer}
     inputs = [i for i in model.graph.input if i.name not in initializers]
     if inputs:
@@ -153,6 +249,24 @@ def onnx_metadata(onnx_path: PathLike) -> dict[str, Any]:
         if len(dims) == 4 and dims[2] and dims[3]:
             meta["imgsz"] = [int(dims[2]), int(dims[3])]
     return meta
+
+
+def onnx_plugins(model: Any) -> list[dict[str, str]]:
+    """The TensorRT plugins an ONNX graph needs: its custom-domain nodes (the parser's fallback importer looks
+    them up by op type, ``plugin_version`` (default "1") and ``plugin_namespace``) and the ONNX ops the parser
+    itself imports as a plugin (``PARSER_PLUGINS``)."""
+    from onnx import helper
+    found: dict[tuple[str, str, str], None] = {}
+    for n in model.graph.node:
+        if n.domain not in ("", "ai.onnx", "ai.onnx.ml"):
+            attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+            version, namespace = attrs.get("plugin_version", b"1"), attrs.get("plugin_namespace", b"")
+            found[(n.op_type, version.decode() if isinstance(version, bytes) else str(version),
+                   namespace.decode() if isinstance(namespace, bytes) else str(namespace))] = None
+        elif n.op_type in PARSER_PLUGINS:
+            name, version = PARSER_PLUGINS[n.op_type]
+            found[(name, version, "")] = None
+    return [{"name": a, "version": b, "namespace": c} for a, b, c in found]
 
 
 def write_engine_metadata(engine_path: PathLike, onnx_path: PathLike | None, *, tensorrt_version: str | None,
@@ -176,6 +290,7 @@ def write_engine_metadata(engine_path: PathLike, onnx_path: PathLike | None, *, 
         "batch": batch,
         "strongly_typed": strongly_typed,
         "precision_flags": list(precision_flags),
+        "plugins": meta.get("plugins", []),
     }
     doc.update(extra or {})
     return write_text(metadata_path(engine_path), json.dumps(doc, indent=2) + "\n")
@@ -238,11 +353,15 @@ def _profile_shapes(name: str, shape: tuple[int, ...], min_batch: int, opt_batch
 def build_engine(onnx_path: PathLike, engine_path: PathLike, *, min_batch: int = 1, opt_batch: int | None = None,
                  max_batch: int = 16, imgsz: int | Sequence[int] | None = None, strongly_typed: bool | None = None,
                  fp16: bool = True, int8: bool = True, workspace_gib: float | None = None,
-                 timing_cache: PathLike | None = None, verbose: bool = False) -> Path:
+                 timing_cache: PathLike | None = None, plugins: Sequence[PathLike] = (), layer_info: bool = False,
+                 verbose: bool = False) -> Path:
     """Build a TensorRT engine from an exported ONNX and save it (and ``X.engine.json``) atomically.
 
     ``strongly_typed=None`` means: weakly typed with FP16/INT8 builder flags on TensorRT 10, strongly
-    typed on TensorRT 11 (its only mode). ``workspace_gib=None`` uses the free GPU memory.
+    typed on TensorRT 11 (its only mode). ``workspace_gib=None`` uses the free GPU memory. ``plugins``:
+    plugin libraries (.so) for graphs with plugins TensorRT does not ship (e.g. EfficientNMSX_TRT).
+    ``layer_info``: build with ``ProfilingVerbosity.DETAILED`` and write the engine's layer information
+    (``IEngineInspector``, the schema of ``trtexec --exportLayerInfo``) to ``X.engine.layer.json``.
     """
     onnx_path, engine_path = Path(onnx_path), Path(engine_path)
     if not onnx_path.is_file():
@@ -258,7 +377,7 @@ def build_engine(onnx_path: PathLike, engine_path: PathLike, *, min_batch: int =
     _require_tensorrt()
     import tensorrt as trt
     version = str(trt.__version__)
-    major, _minor = parse_version(version)
+    major, minor = parse_version(version)
     if major < 10:
         raise QATError(f"TensorRT {version} is too old: this toolkit needs TensorRT 10 or 11 (named I/O tensor "
                        f"API); upgrade with {INSTALL_TENSORRT}.")
@@ -269,7 +388,13 @@ def build_engine(onnx_path: PathLike, engine_path: PathLike, *, min_batch: int =
     strong = major >= 11 or bool(strongly_typed)
     _require_cuda()
 
-    logger = trt.Logger(trt.Logger.VERBOSE if verbose else trt.Logger.WARNING)
+    meta = onnx_metadata(onnx_path)
+    logger = _make_logger(verbose)
+    load_plugins(logger, plugins)  # before parsing: the parser looks plugin nodes up in the registry
+    _require_plugins(meta["plugins"], str(onnx_path))
+    if (major, minor) >= (10, 12) and any(p["name"] == "EfficientNMS_TRT" for p in meta["plugins"]):
+        print(f"note: EfficientNMS_TRT is deprecated since TensorRT 10.12 (TensorRT {version} is installed); "
+              f"export with --nms onnx for TensorRT's native NMS layer.", file=sys.stderr)
     builder = trt.Builder(logger)
     flags = 0
     if strong and major == 10:
@@ -284,7 +409,12 @@ def build_engine(onnx_path: PathLike, engine_path: PathLike, *, min_batch: int =
 
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, _workspace_bytes(workspace_gib))
+    if layer_info:
+        config.profiling_verbosity = trt.ProfilingVerbosity.DETAILED
     precision_flags: list[str] = []
+    if not strong and (major, minor) >= (10, 12):
+        print(f"note: weak typing (the FP16/INT8 builder flags) is deprecated since TensorRT 10.12 and gone in 11; "
+              f"build strongly typed (--strongly-typed) from an ONNX exported with --half.", file=sys.stderr)
     if not strong:  # TensorRT 10, weakly typed: let the builder pick FP16/INT8 kernels around the Q/DQ nodes
         if fp16:
             config.set_flag(trt.BuilderFlag.FP16)
@@ -315,21 +445,59 @@ def build_engine(onnx_path: PathLike, engine_path: PathLike, *, min_batch: int =
 
     cache_path = Path(timing_cache) if timing_cache is not None else None
     if cache_path is not None:
-        blob = cache_path.read_bytes() if cache_path.is_file() else b""
-        config.set_timing_cache(config.create_timing_cache(blob), False)
+        _attach_timing_cache(config, cache_path)
 
     serialized = builder.build_serialized_network(network, config)
     if serialized is None:
-        raise QATError(f"TensorRT {version} failed to build an engine from {onnx_path}; rerun with --verbose to "
-                       f"see the builder log (a common cause is too little GPU memory: close other GPU jobs).")
+        why = f" ({logger.errors[-1]})" if getattr(logger, "errors", None) else ""
+        raise QATError(f"TensorRT {version} failed to build an engine from {onnx_path}{why}; rerun with --verbose "
+                       f"to see the builder log (a common cause is too little GPU memory: close other GPU jobs).")
     with atomic_path(engine_path) as tmp:
         tmp.write_bytes(serialized)
     if cache_path is not None:
-        with atomic_path(cache_path) as tmp:
-            tmp.write_bytes(config.get_timing_cache().serialize())
+        cache = config.get_timing_cache()
+        if cache is None:  # e.g. set_timing_cache refused the file and nothing was attached
+            print(f"note: TensorRT kept no timing cache; {cache_path} was not written.", file=sys.stderr)
+        else:
+            with atomic_path(cache_path) as tmp:
+                tmp.write_bytes(cache.serialize())
     write_engine_metadata(engine_path, onnx_path, tensorrt_version=version, builder="python", imgsz=built_hw,
                           batch=batch_info, strongly_typed=strong, precision_flags=precision_flags)
+    if layer_info:
+        write_layer_info(engine_path, serialized, logger)
     return engine_path
+
+
+def _attach_timing_cache(config: trt.IBuilderConfig, cache_path: Path) -> None:
+    """Attach the timing cache file (an empty cache when there is none); a file TensorRT refuses (another GPU or
+    TensorRT version, or not a cache) is replaced by a fresh cache after the build, and said so."""
+    blob = cache_path.read_bytes() if cache_path.is_file() else b""
+    cache = config.create_timing_cache(blob)
+    if cache is not None and config.set_timing_cache(cache, False):
+        return
+    print(f"note: TensorRT refused the timing cache {cache_path} (written for another GPU or TensorRT version, "
+          f"or not a timing cache); building with an empty one, which replaces it.", file=sys.stderr)
+    fresh = config.create_timing_cache(b"")
+    if fresh is not None:
+        config.set_timing_cache(fresh, False)
+
+
+def layer_info_path(engine_path: PathLike) -> Path:
+    p = Path(engine_path)
+    return p.with_name(p.name + LAYER_INFO_SUFFIX)
+
+
+def write_layer_info(engine_path: PathLike, serialized: Any, logger: trt.ILogger) -> Path:
+    """``X.engine.layer.json``: the engine's layer information as ``IEngineInspector`` reports it in JSON (the
+    detail depends on the ``profiling_verbosity`` the engine was built with; DETAILED gives types and formats)."""
+    import tensorrt as trt
+    engine = trt.Runtime(logger).deserialize_cuda_engine(serialized)
+    if engine is None:
+        raise QATError(f"TensorRT could not load the engine it just built ({engine_path}) to read its layer "
+                       f"information; rebuild without --graph.")
+    inspector = engine.create_engine_inspector()
+    text = inspector.get_engine_information(trt.LayerInformationFormat.JSON)
+    return write_text(layer_info_path(engine_path), str(text))
 
 
 # ----------------------------------------------------------------------------- running
@@ -367,7 +535,8 @@ class TRTBackend:
     Device buffers are torch tensors (``_alloc``); the work runs on a private CUDA stream.
     """
 
-    def __init__(self, engine_path: PathLike, device: str | torch.device = "cuda:0") -> None:
+    def __init__(self, engine_path: PathLike, device: str | torch.device = "cuda:0",
+                 plugins: Sequence[PathLike] = ()) -> None:
         self.engine_path = Path(engine_path)
         if not self.engine_path.is_file():
             raise QATError(f"engine file {self.engine_path} not found; build it with "
@@ -378,11 +547,17 @@ class TRTBackend:
         import torch
         self.meta = read_engine_metadata(self.engine_path)
         installed = str(trt.__version__)
-        self._logger = trt.Logger(trt.Logger.WARNING)
+        self._logger = _make_logger()
+        load_plugins(self._logger, plugins)  # an engine holding plugins deserializes only once they are registered
+        _require_plugins(self.meta.get("plugins") or [], str(self.engine_path))
         self._runtime = trt.Runtime(self._logger)
         engine = self._runtime.deserialize_cuda_engine(self.engine_path.read_bytes())
         if engine is None:
             built = self.meta.get("tensorrt")
+            plugin = _plugin_from_log(getattr(self._logger, "errors", []))
+            if plugin:
+                raise QATError(f"TensorRT {installed} could not load {self.engine_path}: it needs the plugin {plugin}, "
+                               f"which is not registered; {plugin_hint(plugin)} with --plugins PATH.so.")
             if built and _release(built) != _release(installed):
                 raise QATError(f"{self.engine_path} was built by TensorRT {built} but TensorRT {installed} is "
                                f"installed, and engines only load in the version that built them: rebuild it here "
@@ -544,9 +719,14 @@ if __name__ == "__main__":  # pragma: no cover - manual use: python3 -m utils.qa
     ap.add_argument("--fp16-only", action="store_true")
     ap.add_argument("--workspace", type=float, default=None, help="GiB (default: free GPU memory)")
     ap.add_argument("--timing-cache", default=None)
+    ap.add_argument("--plugins", action="append", default=[], metavar="LIB.so",
+                    help="plugin library to load (repeatable), e.g. one providing EfficientNMSX_TRT")
+    ap.add_argument("--graph", action="store_true",
+                    help="build with detailed profiling verbosity and write X.engine.layer.json (IEngineInspector)")
     ap.add_argument("--verbose", action="store_true")
     a = ap.parse_args()
     run_cli(lambda: print(build_engine(a.onnx, a.engine, min_batch=a.min, opt_batch=a.opt, max_batch=a.max,
                                        imgsz=a.imgsz, strongly_typed=a.strongly_typed, int8=not a.fp16_only,
-                                       workspace_gib=a.workspace, timing_cache=a.timing_cache, verbose=a.verbose),
+                                       workspace_gib=a.workspace, timing_cache=a.timing_cache, plugins=a.plugins,
+                                       layer_info=a.graph, verbose=a.verbose),
                           file=sys.stdout))

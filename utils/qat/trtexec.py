@@ -1,8 +1,11 @@
 """trtexec: find it, build its command lines for TensorRT 8.6/10/11, run it, parse its output.
 
 Precision flags depend on the TensorRT version: ``--fp16 --int8`` exist only up to TensorRT 10
-(weakly typed builds); TensorRT 11 builds strongly typed networks only (``--stronglyTyped`` is
-accepted there and is the default), with precisions taken from the ONNX (Q/DQ nodes, ``--half``).
+(weakly typed builds); TensorRT 11 builds strongly typed networks only, with precisions taken from the
+ONNX (Q/DQ nodes, ``--half``), and its ``--stronglyTyped``, ``--useCudaGraph``, ``--useSpinWait``,
+``--noDataTransfers`` and ``--separateProfileRun`` are deprecated no-ops (their behaviour is the default),
+so they are not passed there. Plugin libraries go to ``--staticPlugins`` (``--plugins`` is deprecated).
+Sources for every flag: docs/TENSORRT.md, "TensorRT API, flags and plugins used".
 
 ``python3 -m utils.qat.trtexec build ONNX ENGINE [...]`` is what ``scripts/generate_trt_engine.sh``
 runs, so the flags live here only. ``parse`` turns a saved trtexec log into JSON.
@@ -26,6 +29,8 @@ from utils.qat.errors import QATError, run_cli
 PathLike = Union[str, "os.PathLike[str]"]
 SEARCH_DIRS: tuple[str, ...] = ("/usr/src/tensorrt/bin", "/opt/tensorrt/bin")
 INSTALL_TENSORRT = "./install_dependencies.sh --tensorrt"
+#: Benchmark flags for TensorRT <= 10; on 11 they are deprecated no-ops (CUDA graphs, spin wait and no data
+#: transfers are the defaults: samples/common/sampleOptions.cpp of v11.0 and v11.1).
 BENCH_FLAGS = ("--useCudaGraph", "--useSpinWait", "--noDataTransfers")
 
 
@@ -96,10 +101,11 @@ def shape_arg(name: str, shape: Sequence[int]) -> str:
 
 def precision_flags(version: str | Sequence[int], *, int8: bool = True, fp16: bool = True,
                     strongly_typed: bool = False) -> list[str]:
-    """``--fp16``/``--int8`` on TensorRT <= 10 (weakly typed), ``--stronglyTyped`` on 11 (or when asked on 10)."""
+    """``--fp16``/``--int8`` on TensorRT <= 10 (weakly typed), ``--stronglyTyped`` when asked on 10, nothing on
+    11 (strongly typed is the only mode there; its ``--stronglyTyped`` is a deprecated no-op)."""
     major, _minor = version_tuple(version)
     if major >= 11:
-        return ["--stronglyTyped"]  # the only mode; precisions come from the ONNX (Q/DQ, --half export)
+        return []  # precisions come from the ONNX (Q/DQ, --half export)
     if strongly_typed:
         if major < 10:
             raise QATError(f"trtexec of TensorRT {major}.x has no --stronglyTyped; build weakly typed (drop "
@@ -113,15 +119,20 @@ def build_command(onnx: PathLike, engine: PathLike, *, version: str | Sequence[i
                   min_shape: Sequence[int] | None = None, opt_shape: Sequence[int] | None = None,
                   max_shape: Sequence[int] | None = None, timing_cache: PathLike | None = None,
                   workspace_mib: int | None = None, graph_prefix: PathLike | None = None,
-                  skip_inference: bool = True, extra: Iterable[str] = (), trtexec: PathLike = "trtexec") -> list[str]:
+                  skip_inference: bool = True, plugins: Sequence[PathLike] = (), extra: Iterable[str] = (),
+                  trtexec: PathLike = "trtexec") -> list[str]:
     """trtexec command that builds ``engine`` from ``onnx``.
 
-    ``min/opt/max_shape`` (B, C, H, W) give the optimization profile of a dynamic input.
+    ``min/opt/max_shape`` (B, C, H, W) give the optimization profile of a dynamic input; leave them out for
+    a static ONNX (trtexec refuses shapes there: "Static model does not take explicit shapes").
     ``graph_prefix`` adds ``--exportLayerInfo=P.layer.json --exportProfile=P.profile.json
-    --profilingVerbosity=detailed`` (and a separate profiling run, so the timing is not skewed).
+    --profilingVerbosity=detailed`` (and, before TensorRT 11, a separate profiling run so the timing is not
+    skewed; 11 always separates them). ``plugins``: plugin libraries (``--staticPlugins``).
     """
+    major, _minor = version_tuple(version)
     cmd = [str(trtexec), f"--onnx={onnx}", f"--saveEngine={engine}"]
     cmd += precision_flags(version, int8=int8, fp16=fp16, strongly_typed=strongly_typed)
+    cmd += plugin_flags(plugins)
     shapes = (min_shape, opt_shape, max_shape)
     if any(s is not None for s in shapes):
         if not all(s is not None for s in shapes):
@@ -135,23 +146,29 @@ def build_command(onnx: PathLike, engine: PathLike, *, version: str | Sequence[i
         cmd.append(f"--timingCacheFile={timing_cache}")
     if graph_prefix is not None:
         cmd += [f"--exportLayerInfo={graph_prefix}.layer.json", f"--exportProfile={graph_prefix}.profile.json",
-                "--profilingVerbosity=detailed", "--separateProfileRun"]
+                "--profilingVerbosity=detailed"] + (["--separateProfileRun"] if major < 11 else [])
     elif skip_inference:
         cmd.append("--skipInference")
     cmd += list(extra)
     return cmd
 
 
+def plugin_flags(plugins: Sequence[PathLike]) -> list[str]:
+    """``--staticPlugins=LIB`` per plugin library (trtexec 10.x and 11.x; ``--plugins`` is deprecated)."""
+    return [f"--staticPlugins={p}" for p in plugins]
+
+
 def benchmark_command(source: PathLike, *, batch: int, version: str | Sequence[int],
                       shape: Sequence[int] | None = (3, 640, 640), input_name: str = "images", int8: bool = True,
                       fp16: bool = True, strongly_typed: bool = False, warmup: int = 500, duration: int = 10,
-                      timing_cache: PathLike | None = None, extra: Iterable[str] = (),
-                      trtexec: PathLike = "trtexec") -> list[str]:
+                      timing_cache: PathLike | None = None, plugins: Sequence[PathLike] = (),
+                      extra: Iterable[str] = (), trtexec: PathLike = "trtexec") -> list[str]:
     """trtexec command that times ``source`` at ``batch``: an engine (``--loadEngine``, ``--shapes``) or an
-    ONNX (built for min 1 / opt and max ``batch``, as the reference README does) with
-    ``--warmUp --duration --useCudaGraph --useSpinWait --noDataTransfers``. ``shape`` is C, H, W;
-    None for a static-shape engine."""
+    ONNX (built for min 1 / opt and max ``batch``, as the reference README does) with ``--warmUp --duration``
+    (plus ``--useCudaGraph --useSpinWait --noDataTransfers`` before TensorRT 11, where they became the
+    defaults). ``shape`` is C, H, W; None for a static-shape ONNX or engine (no shape flags)."""
     src = Path(source)
+    major, _minor = version_tuple(version)
     full = (batch, *shape) if shape is not None else None
     if src.suffix.lower() == ".onnx":
         if full is None:
@@ -166,7 +183,8 @@ def benchmark_command(source: PathLike, *, batch: int, version: str | Sequence[i
         cmd = [str(trtexec), f"--loadEngine={src}"]
         if full is not None:
             cmd.append(f"--shapes={shape_arg(input_name, full)}")
-    cmd += [f"--warmUp={int(warmup)}", f"--duration={int(duration)}", *BENCH_FLAGS, *extra]
+    cmd += plugin_flags(plugins)
+    cmd += [f"--warmUp={int(warmup)}", f"--duration={int(duration)}", *(BENCH_FLAGS if major < 11 else ()), *extra]
     return cmd
 
 
@@ -308,11 +326,15 @@ def _onnx_input(onnx: Path) -> tuple[str, list[int | None]]:
         import onnx as onnx_pkg
     except ImportError:
         return "images", [None, 3, None, None]
-    model = onnx_pkg.load(str(onnx), load_external_data=False)
+    return image_input(onnx_pkg.load(str(onnx), load_external_data=False), onnx)
+
+
+def image_input(model: Any, source: PathLike = "the ONNX") -> tuple[str, list[int | None]]:
+    """Name and dims (None = dynamic) of a loaded ONNX model's one image input."""
     inits = {i.name for i in model.graph.initializer}
     inputs = [i for i in model.graph.input if i.name not in inits]
     if len(inputs) != 1:
-        raise QATError(f"{onnx} has {len(inputs)} inputs; expected one image input: re-export it with export_qat.py.")
+        raise QATError(f"{source} has {len(inputs)} inputs; expected one image input: re-export it with export_qat.py.")
     dims = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None
             for d in inputs[0].type.tensor_type.shape.dim]
     return inputs[0].name, dims
@@ -366,7 +388,8 @@ def cmd_build(a: argparse.Namespace) -> None:
     name, dims = _onnx_input(onnx)
     opt = a.opt if a.opt is not None else a.max
     shapes = resolve_shapes(dims, min_batch=a.min, opt_batch=opt, max_batch=a.max, imgsz=a.imgsz)
-    major, _ = version_tuple(version)
+    major, minor = version_tuple(version)
+    check_plugins(onnx, a.plugins, (major, minor))
     fp16_only = a.fp16_only
     if major >= 11 and fp16_only:
         print("note: TensorRT 11 builds strongly typed: an FP16 baseline needs an ONNX exported with --half "
@@ -377,7 +400,8 @@ def cmd_build(a: argparse.Namespace) -> None:
                         min_shape=shapes[0] if shapes else None, opt_shape=shapes[1] if shapes else None,
                         max_shape=shapes[2] if shapes else None,
                         timing_cache=a.timing_cache or f"{engine}.timing.cache", workspace_mib=a.workspace_mib,
-                        graph_prefix=engine if a.graph else None, extra=a.extra, trtexec=trtexec)
+                        graph_prefix=engine if a.graph else None, plugins=a.plugins, extra=a.extra,
+                        trtexec=trtexec)
     if a.dry_run:
         print(shlex.join(cmd))
         return
@@ -407,11 +431,30 @@ def cmd_build(a: argparse.Namespace) -> None:
         print(f"layer info: {engine}.layer.json\nprofile: {engine}.profile.json")
 
 
+def check_plugins(onnx: Path, plugins: Sequence[PathLike], version: tuple[int, int]) -> None:
+    """Before a (long) build: the plugin libraries exist, and a graph needing a plugin TensorRT does not ship
+    (EfficientNMSX_TRT) has one; trtexec registers TensorRT's own plugins itself."""
+    from utils.qat.trt_engine import THIRD_PARTY_PLUGINS, onnx_metadata, plugin_hint
+    for p in plugins:
+        if not Path(p).is_file():
+            raise QATError(f"plugin library {p} not found; pass the .so file that provides the plugin with "
+                           f"--plugins PATH.")
+    needed = [p["name"] for p in onnx_metadata(onnx)["plugins"]]
+    third = [n for n in needed if n in THIRD_PARTY_PLUGINS]
+    if third and not plugins:
+        raise QATError(f"{onnx} needs the plugin {third[0]}: {plugin_hint(third[0])} with --plugins PATH.so "
+                       f"(or export with --nms onnx, which needs no plugin).")
+    if version >= (10, 12) and "EfficientNMS_TRT" in needed:
+        print("note: EfficientNMS_TRT is deprecated since TensorRT 10.12; export with --nms onnx for TensorRT's "
+              "native NMS layer.", file=sys.stderr)
+
+
 def cmd_check(_a: argparse.Namespace) -> None:
     """What val_trt.sh needs before a long export: trtexec and the TensorRT Python package."""
     exe = find_trtexec()
     from utils.qat.trt_engine import trt_version_string
-    print(f"trtexec: {exe}\ntensorrt: {trt_version_string()}")
+    python_version = trt_version_string()
+    print(f"trtexec: {exe}\ntrtexec version: {trtexec_version(exe) or python_version}\ntensorrt: {python_version}")
 
 
 def cmd_parse(a: argparse.Namespace) -> None:
@@ -437,6 +480,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     b.add_argument("--graph", action="store_true", help="also export X.engine.layer.json and X.engine.profile.json")
     b.add_argument("--timing-cache", default=None, help="timing cache file (default: X.engine.timing.cache)")
     b.add_argument("--workspace-mib", type=int, default=None, help="workspace pool limit (default: trtexec's)")
+    b.add_argument("--plugins", action="append", default=[], metavar="LIB.so",
+                   help="plugin library for trtexec --staticPlugins (repeatable), e.g. one providing EfficientNMSX_TRT")
     b.add_argument("--trt-version", default=None, help="TensorRT version of trtexec (default: asked from it)")
     b.add_argument("--dry-run", action="store_true", help="print the trtexec command and exit")
     b.add_argument("--quiet", action="store_true", help="do not echo trtexec's output (it is logged anyway)")

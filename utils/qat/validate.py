@@ -75,7 +75,9 @@ FLAGS: dict[str, Range] = {
     "--seed": Range(0, 2**32 - 1),
     "--epochs": Range(1, hint=_PTQ_ONLY),
     "--iters": Range(1, hint=_PTQ_ONLY),
-    "--lr": Range(0, 1, low_open=True, hint="e.g. 1e-5"),
+    "--lr": Range(0, 1, low_open=True, hint="e.g. 3e-5"),
+    "--weight-decay": Range(0, 1),
+    "--ema": Range(0, 1, high_open=True, hint="0 turns the average off; e.g. 0.99"),
     "--supervision-stride": Range(1),
     "--top": Range(1),
     # ONNX export (INT8 per-channel Q/DQ needs opset 13; torch's TorchScript exporter stops at 20)
@@ -87,7 +89,7 @@ FLAGS: dict[str, Range] = {
     "--opt": Range(1),
     "--max": Range(1),
     "--workspace-mib": Range(1),
-    "--warmup": Range(0),
+    "--warmup": Range(0),  # QAT warm-up steps; trtexec warm-up milliseconds
     "--duration": Range(1),
 }
 
