@@ -22,9 +22,7 @@ plugin tests, which registers the creators a test says the library provides.
 """
 from __future__ import annotations
 
-import ctypes
 import json
-import re
 import sys
 import types
 from pathlib import Path
@@ -39,8 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `python3 -m pytest` from the repository root has it already
     sys.path.append(str(REPO))
 
-from fake_tensorrt import (STD_PLUGINS, VERSIONED_API, FakeMisuse, available, deprecated,  # noqa: E402
-                           make_fake_trt, vt)
+from fake_tensorrt import (STD_PLUGINS, VERSIONED_API, FakeMisuse, available, make_fake_trt, vt)
 from utils.qat import engine_graph, trt_engine  # noqa: E402
 from utils.qat.errors import QATError  # noqa: E402
 

@@ -30,7 +30,7 @@ import numpy as np
 import onnx
 import torch
 import torch.nn as nn
-from onnx import TensorProto, helper, numpy_helper
+from onnx import numpy_helper
 
 from utils.qat import __version__, onnx_qdq
 from utils.qat.atomic import atomic_path

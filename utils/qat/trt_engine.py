@@ -413,8 +413,8 @@ def build_engine(onnx_path: PathLike, engine_path: PathLike, *, min_batch: int =
         config.profiling_verbosity = trt.ProfilingVerbosity.DETAILED
     precision_flags: list[str] = []
     if not strong and (major, minor) >= (10, 12):
-        print(f"note: weak typing (the FP16/INT8 builder flags) is deprecated since TensorRT 10.12 and gone in 11; "
-              f"build strongly typed (--strongly-typed) from an ONNX exported with --half.", file=sys.stderr)
+        print("note: weak typing (the FP16/INT8 builder flags) is deprecated since TensorRT 10.12 and gone in 11; "
+              "build strongly typed (--strongly-typed) from an ONNX exported with --half.", file=sys.stderr)
     if not strong:  # TensorRT 10, weakly typed: let the builder pick FP16/INT8 kernels around the Q/DQ nodes
         if fp16:
             config.set_flag(trt.BuilderFlag.FP16)
