@@ -46,6 +46,9 @@ OUT_OF_RANGE = [
     ("qat.py", "quantize --workers -1", "--workers -1 is out of range: it must be at least 0."),
     ("qat.py", "quantize --seed -1", "--seed -1 is out of range: it must be between 0 and 4294967295."),
     ("qat.py", "quantize --supervision-stride 0", "--supervision-stride 0 is out of range"),
+    ("qat.py", "quantize --ema 1", "--ema 1 is out of range: it must be at least 0 and less than 1"),
+    ("qat.py", "quantize --weight-decay -0.1", "--weight-decay -0.1 is out of range: it must be between 0 and 1."),
+    ("qat.py", "quantize --warmup -1", "--warmup -1 is out of range: it must be at least 0."),
     ("qat.py", "quantize --conf-thres 1.5", "--conf-thres 1.5 is out of range: it must be between 0 and 1."),
     ("qat.py", "quantize --iou-thres -0.1", "--iou-thres -0.1 is out of range"),
     ("qat.py", "sensitive --num-image 0", "--num-image 0 is out of range"),
@@ -71,6 +74,8 @@ OUT_OF_RANGE = [
 
 CHOICES = [
     ("qat.py", "quantize --calib-method bogus", "--calib-method"),
+    ("qat.py", "quantize --qat-loss kl", "--qat-loss"),
+    ("qat.py", "quantize --optimizer lamb", "--optimizer"),
     ("export_qat.py", "--include tflite", "--include"),
     ("export_qat.py", "--nms bogus", "--nms"),
     ("val_trt.py", "--onnx x.onnx --backend bogus", "--backend"),
