@@ -152,8 +152,11 @@ def finetune(model: nn.Module, teacher: nn.Module, batches: Callable[[], Iterabl
     head = objectives.head_of(model)
     train_form = "mse" not in terms  # raw head maps (training form); the legacy objective used decoded boxes
     supervised = supervised_layers(model, config.supervision_stride)
-    tapped = (supervised if "mse" in terms else [i for i in supervised if i != len(model.model) - 1]
-              if "features" in terms else [])
+    tapped: list[int] = []  # block outputs the objective reads: the head's too for mse, not for features
+    if "mse" in terms:
+        tapped = supervised
+    elif "features" in terms:
+        tapped = [i for i in supervised if i != len(model.model) - 1]
     task = objectives.task_loss_fn(model, hyp) if "task" in terms else None
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = _optimizer(params, config)
