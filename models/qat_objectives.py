@@ -60,7 +60,8 @@ def _levels(out) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     (mask coefficients, prototypes). Works for Detect/DDetect (list of levels), DualDDetect ([d1, d2]),
     Segment/DSegment ((levels, mc, p)) and DualDSegment (([d1, d2], [mc1, mc2], [p1, p2]))."""
     from models.quantize_rules import _tensors
-    return [t for t in _tensors(out) if t.dim() == 4], [t for t in _tensors(out) if t.dim() != 4]
+    tensors = _tensors(out)
+    return [t for t in tensors if t.dim() == 4], [t for t in tensors if t.dim() != 4]
 
 
 def head_distillation(student_out, teacher_out, reg_max: int, nc: int) -> dict[str, torch.Tensor]:
