@@ -77,6 +77,14 @@ def _finetuning(p: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
     p.add_argument("--supervision-stride", type=int, default=d.supervision_stride,
                    help="--qat-loss features/mse: distil every N-th block output")
+    p.add_argument("--amax-lr", type=float, default=d.amax_lr,
+                   help="learn the activation amax (LSQ) at this learning rate relative to each calibrated amax; "
+                        "0 keeps calibration's (default: %(default)s)")
+    p.add_argument("--bias-lr", type=float, default=d.bias_lr,
+                   help="the biases' learning rate as a multiple of --lr (default: %(default)s)")
+    p.add_argument("--box-gain", type=float, default=d.box_gain,
+                   help="--qat-loss head: weight of the box-distribution term against the class term "
+                        "(default: %(default)s)")
 
 
 def qat_config(args) -> QATConfig:
@@ -84,7 +92,8 @@ def qat_config(args) -> QATConfig:
     from models.quantize_finetune import QATConfig
     return QATConfig(epochs=args.epochs, iters=args.iters, lr=args.lr, objective=args.qat_loss,
                      optimizer=args.optimizer, weight_decay=args.weight_decay, warmup=args.warmup,
-                     ema=args.ema, supervision_stride=args.supervision_stride)
+                     ema=args.ema, supervision_stride=args.supervision_stride, amax_lr=args.amax_lr,
+                     bias_lr=args.bias_lr, box_gain=args.box_gain)
 
 
 SCRIPTS = {"detect": "qat.py", "segment": "segment/qat_seg.py"}
@@ -256,7 +265,8 @@ def _quantize(args, device, launch) -> Path | None:
         finetune(qmodel, teacher, lambda: (labelled if labels else images_only)(loader, device), config,
                  device=device, hyp=hyp,
                  on_epoch_start=loader.sampler.set_epoch if launch else None,
-                 on_epoch_end=functools.partial(run.epoch_end, qmodel, info) if run else None)
+                 on_epoch_end=functools.partial(run.epoch_end, qmodel, info) if run else None,
+                 scale_groups=info.scale_groups)
     return run.finish(qat=not args.ptq_only) if run else None
 
 

@@ -8,7 +8,12 @@ Run from the top of a patched YOLOv9 tree:
         --out runs/recipes/gelan-c --recipes 'mse:lr=1e-5,optimizer=adam,warmup=0' 'head' 'head:lr=3e-5'
 
 A recipe is ``OBJECTIVE[:key=value,...]`` with keys of ``QATConfig`` (lr, optimizer, weight_decay, warmup,
-final_lr_ratio, supervision_stride; epochs and iters come from --epochs / --iters unless given).
+final_lr_ratio, supervision_stride, ema, amax_lr, bias_lr, box_gain; epochs and iters come from --epochs /
+--iters unless given).
+
+Besides mAP, each epoch reports the ``head`` distillation loss measured on the evaluation images
+("held-out loss"): whether what fine-tuning learns on the training images carries over to the images
+the model is scored on.
 """
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ compat.apply()
 
 import torch  # noqa: E402
 
-from models.qat_objectives import needs_labels  # noqa: E402
+from models.qat_objectives import head_distillation, head_of, needs_labels  # noqa: E402
 from models.quantize import calibrate, fuse, prepare  # noqa: E402
 from models.quantize_finetune import QATConfig, finetune  # noqa: E402
 from utils.qat import checkpoint  # noqa: E402
@@ -71,18 +76,42 @@ def get_args_parser() -> argparse.ArgumentParser:
     return p
 
 
+HELDOUT = "heldout_loss"
+
+
+@torch.no_grad()
+def heldout_loss(student, teacher, loader, device) -> float:
+    """The ``head`` objective (class + box terms) of ``student`` against ``teacher`` on ``loader``'s images."""
+    head = head_of(student)
+    total, batches = 0.0, 0
+    student.train(), teacher.train()  # training form: the raw head maps the objective reads
+    try:
+        for images in images_only(loader, device):
+            with torch.autocast(device.type, dtype=torch.float16, enabled=device.type == "cuda"):
+                parts = head_distillation(student(images), teacher(images), head.reg_max, head.nc)
+            total += float(parts["cls"] + parts["box"])
+            batches += 1
+    finally:
+        student.eval(), teacher.eval()
+    return total / max(batches, 1)
+
+
 def render(results: dict) -> str:
     origin, ptq = results.get("origin"), results.get("ptq")
     lines = [f"# QAT recipes: {results['weights']}", "",
-             f"Origin {origin:.4f}, PTQ ({results['calib_method']}) {ptq:.4f}; {results['machine']}", "",
-             "| recipe | best AP | vs PTQ | vs Origin | best epoch | AP per epoch | loss first -> last | s / epoch |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"Origin {origin:.4f}, PTQ ({results['calib_method']}) {ptq:.4f} (held-out loss "
+             f"{results.get(HELDOUT, float('nan')):.4g}); augmentation during fine-tuning: "
+             f"{results.get('hyp') or 'none'}; {results['machine']}", "",
+             "| recipe | best AP | vs PTQ | vs Origin | best epoch | AP per epoch | loss first -> last | "
+             "held-out loss per epoch | s / epoch |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in results["recipes"]:
         aps = [e["AP"] for e in r["epochs"]]
         best = max(aps) if aps else float("nan")
         lines.append(f"| `{r['recipe']}` | {best:.4f} | {best - ptq:+.4f} | {best - origin:+.4f} | "
                      f"{aps.index(best) + 1 if aps else '-'} | {' '.join(f'{a:.4f}' for a in aps)} | "
                      f"{r['epochs'][0]['loss']:.4g} -> {r['epochs'][-1]['loss']:.4g} | "
+                     f"{' '.join(f'{e[HELDOUT]:.4g}' for e in r['epochs'] if HELDOUT in e) or '-'} | "
                      f"{sum(e['seconds'] for e in r['epochs']) / max(len(aps), 1):.1f} |")
     return "\n".join(lines) + "\n"
 
@@ -97,7 +126,7 @@ def main(args) -> dict:
     fp = checkpoint.load_fp(args.weights)
     stride = int(fp.stride.max())
     common = dict(imgsz=args.imgsz, batch_size=args.batch_size, workers=args.workers)
-    results: dict = {"weights": Path(args.weights).name, "calib_method": args.calib_method, "recipes": [],
+    results: dict = {"weights": Path(args.weights).name, "calib_method": args.calib_method, "hyp": args.hyp, "recipes": [],
                      "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"}
     save = lambda: (write_text(out / "results.json", json.dumps(results, indent=2)),  # noqa: E731
                     write_text(out / "results.md", render(results)))
@@ -109,8 +138,10 @@ def main(args) -> dict:
     calibrate(qmodel, images_only(loader, device), info, num_batches=min(args.calib_batches, len(loader)))
     qmodel.names = fp.names
     results["ptq"] = evaluate(TorchBackend(qmodel, device), data, desc="PTQ", **common).mAP50_95
+    teacher = fuse(copy.deepcopy(fp)).to(device)
+    val, _ = dataloader(data, "val", args.imgsz, args.batch_size, stride, workers=args.workers, prefix="held-out: ")
+    results[HELDOUT] = heldout_loss(qmodel, teacher, val, device)
     save()
-    teacher = fuse(copy.deepcopy(fp))
     for text, config in recipes:
         torch.manual_seed(args.seed)
         student = copy.deepcopy(qmodel)
@@ -123,12 +154,13 @@ def main(args) -> dict:
         def epoch_end(result, student=student, record=record):
             m = evaluate(TorchBackend(student, device), data, desc=f"{text} epoch {result.epoch + 1}", **common)
             record["epochs"].append({"epoch": result.epoch + 1, "AP": round(m.mAP50_95, 4), "AP50": round(m.mAP50, 4),
-                                     "loss": result.loss, "terms": result.terms, "seconds": round(result.seconds, 1)})
+                                     "loss": result.loss, "terms": result.terms, "seconds": round(result.seconds, 1),
+                                     HELDOUT: heldout_loss(student, teacher, val, device), "amax": result.amax})
             save()
 
         start = time.time()
         finetune(student, teacher, lambda: (labelled if labels else images_only)(train, device), config,
-                 device=device, hyp=hyp, on_epoch_end=epoch_end)
+                 device=device, hyp=hyp, on_epoch_end=epoch_end, scale_groups=info.scale_groups)
         record["seconds"] = round(time.time() - start, 1)
         save()
         del student

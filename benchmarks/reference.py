@@ -75,6 +75,7 @@ class Bench:
         self.results = json.loads(self.path.read_text()) if self.path.exists() else {"rows": {}, "timings": {}, "epochs": {}}
         if not args.render_only:
             self.results["machine"] = machine(args.device)
+            self.results["qat_args"] = args.qat_args  # fine-tuning flags beyond qat.py's defaults
 
     @contextmanager
     def timed(self, stage: str):
@@ -108,7 +109,7 @@ def plot(results: dict, path: Path, title: str) -> None:
     for name, epochs in results.get("epochs", {}).items():
         if epochs:
             left.plot([e["epoch"] for e in epochs], [e["AP"] for e in epochs], "o-", ms=3,
-                      label=f"QAT ({'default' if name == 'qat' else name})")
+                      label=f"QAT ({results.get('qat_args') or 'default'})" if name == "qat" else f"QAT ({name})")
     if origin:
         left.axhline(origin["AP"], color="gray", linestyle="--", label="Origin (FP)")
     ptq = [r for n, r in rows.items() if n.startswith("PTQ") and "(" not in n]
@@ -156,6 +157,9 @@ def render(results: dict, title: str) -> str:
     if results["timings"]:
         lines += ["", "## Time per stage", "", "| Stage | seconds |", "|---|---|"]
         lines += [f"| {k} | {v} |" for k, v in results["timings"].items()]
+    if results.get("epochs"):
+        lines += ["", f"QAT flags beyond qat.py's defaults: `{results['qat_args']}`" if results.get("qat_args")
+                  else "QAT with qat.py's default settings."]
     for name, epochs in results.get("epochs", {}).items():
         if epochs:
             lines += ["", f"QAT epochs ({name}): " + ", ".join(f"{e['epoch']}: AP {e['AP']:.4f} ({e['train_seconds']} s)" for e in epochs)]

@@ -39,6 +39,9 @@ class QATConfig:
     final_lr_ratio: float = 0.01
     supervision_stride: int = 1  # ``features`` / ``mse``: every N-th block output (plus the last)
     ema: float = 0.99  # decay of an exponential moving average of the weights (0: off); evaluated and kept
+    amax_lr: float = 0.0  # learn activation amax (LSQ) at this rate relative to each amax; 0: calibrated amax kept
+    bias_lr: float = 1.0  # the biases' learning rate is lr times this
+    box_gain: float = 1.0  # weight of the head objective's box term (head.box)
 
 
 @dataclass
@@ -48,6 +51,7 @@ class EpochResult:
     seconds: float
     terms: dict[str, float] = field(default_factory=dict)  # each objective term, mean over the epoch
     steps: int = 0
+    amax: dict[str, float] = field(default_factory=dict)  # learned amax: how far it moved from calibration
 
 
 def supervised_layers(model: nn.Module, stride: int) -> list[int]:
@@ -108,7 +112,8 @@ def _optimizer(params: list[nn.Parameter], config: QATConfig) -> torch.optim.Opt
         raise QATError(f"--optimizer {config.optimizer} is not supported; choose one of {', '.join(OPTIMIZERS)}.")
     decay = [p for p in params if p.dim() > 1]
     no_decay = [p for p in params if p.dim() <= 1]
-    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": config.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0, "lr": config.lr * config.bias_lr}]
     if config.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=config.lr, momentum=0.9, nesterov=True)
     cls = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.Adam
@@ -127,11 +132,13 @@ def lr_factor(step: int, total: int, warmup: int, final_ratio: float) -> float:
 def finetune(model: nn.Module, teacher: nn.Module, batches: Callable[[], Iterable], config: QATConfig | None = None, *,
              device: torch.device | str = "cpu", amp: bool | None = None, hyp: dict | None = None,
              on_epoch_start: Callable[[int], None] | None = None,
-             on_epoch_end: Callable[[EpochResult], None] | None = None) -> list[EpochResult]:
+             on_epoch_end: Callable[[EpochResult], None] | None = None,
+             scale_groups: list[list[str]] | None = None) -> list[EpochResult]:
     """Fine-tune the fake-quantized ``model`` towards ``teacher`` (and/or the labels) per ``config``.
 
-    Optimiser over every trainable parameter (quantizer amax stays fixed: modelopt learns scales only for
-    NVFP4 weights), linear warm-up then cosine decay, AMP on CUDA by default. ``hyp``: upstream hyp yaml
+    Optimiser over every trainable parameter, and with ``config.amax_lr`` the activation amax too
+    (``models/quantize_amax.py``; ``scale_groups``: the calibration's shared-scale groups, traced on the first
+    batch when not given); linear warm-up then cosine decay, AMP on CUDA by default. ``hyp``: upstream hyp yaml
     values for the ``task`` objective's loss gains. ``on_epoch_start(epoch)`` runs before every epoch (e.g. a
     sampler's ``set_epoch``), ``on_epoch_end`` after every epoch (evaluate, save).
 
@@ -160,6 +167,16 @@ def finetune(model: nn.Module, teacher: nn.Module, batches: Callable[[], Iterabl
     task = objectives.task_loss_fn(model, hyp) if "task" in terms else None
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = _optimizer(params, config)
+    learned = None
+    if config.amax_lr > 0:
+        from models.quantize_amax import LearnedAmax
+        if scale_groups is None:
+            from models.quantize_rules import scale_groups as trace_groups
+            example = _unpack(next(iter(batches())), device)[0][:1]
+            scale_groups = trace_groups(model, example.float() / 255 if example.dtype == torch.uint8 else example)
+        learned = LearnedAmax(model, scale_groups)
+        for group in learned.param_groups(config.amax_lr):
+            optimizer.add_param_group(group)
     total = max(1, config.epochs * config.iters)
     warmup = min(config.warmup, total // 2)
     schedule = torch.optim.lr_scheduler.LambdaLR(
@@ -192,6 +209,7 @@ def finetune(model: nn.Module, teacher: nn.Module, batches: Callable[[], Iterabl
                 for term in terms:
                     if term == "head":
                         parts = objectives.head_distillation(s_out, t_out, head.reg_max, head.nc)
+                        parts["box"] = parts["box"] * config.box_gain
                         values.update({f"head.{k}": v for k, v in parts.items()})
                     elif term == "features":
                         values[term] = objectives.feature_distillation(student_taps.outputs, teacher_taps.outputs, tapped)
@@ -207,6 +225,8 @@ def finetune(model: nn.Module, teacher: nn.Module, batches: Callable[[], Iterabl
                 scaler.step(optimizer)
                 scaler.update()
                 schedule.step()
+                if learned is not None:
+                    learned.clamp()
                 if ema is not None:
                     ema.update(model)
                 running += float(loss.detach())
@@ -216,11 +236,12 @@ def finetune(model: nn.Module, teacher: nn.Module, batches: Callable[[], Iterabl
                 bar.set_postfix(loss=f"{running / steps:.5f}")
             means = {k: round(distributed.all_reduce_mean(v / max(steps, 1)), 6) for k, v in sums.items()}
             result = EpochResult(epoch, distributed.all_reduce_mean(running / max(steps, 1)), time.time() - start,
-                                 terms=means, steps=steps)
+                                 terms=means, steps=steps, amax=learned.summary() if learned is not None else {})
             results.append(result)
             model.eval()
             teacher.eval()
-            with ema.applied(model) if ema is not None else contextlib.nullcontext():
+            with (ema.applied(model) if ema is not None else contextlib.nullcontext(),
+                  learned.as_buffers() if learned is not None else contextlib.nullcontext()):
                 if on_epoch_end is not None and distributed.is_main():
                     on_epoch_end(result)
                 distributed.barrier()
@@ -229,8 +250,10 @@ def finetune(model: nn.Module, teacher: nn.Module, batches: Callable[[], Iterabl
         teacher_taps.close()
         model.eval()
         teacher.eval()
-    if ema is not None:
-        ema.copy_to(model)  # the model handed back is the averaged one, as evaluated
+        if ema is not None:
+            ema.copy_to(model)  # the model handed back is the averaged one, as evaluated
+        if learned is not None:
+            learned.release()
     return results
 
 

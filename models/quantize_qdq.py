@@ -17,8 +17,14 @@ backend joined through modelopt's own registry (``register_quant_backend``):
 with the straight-through gradient inside [-amax, amax] and zero outside (modelopt's default). While
 exporting to ONNX the quantizer hands over to modelopt's own function, whose symbolic writes the
 QuantizeLinear / DequantizeLinear pair with exactly that scale.
+
+While QAT learns amax (``models/quantize_amax.py`` turns a quantizer's ``_amax`` buffer into a
+parameter), amax also gets a gradient, LSQ's (Esser et al., 2020): ``(q - x / scale) / 127`` inside the
+range, ``q / 127`` where the input is clipped.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn as nn
@@ -37,19 +43,31 @@ class _QDQ(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, amax: torch.Tensor, qmin: int, qmax: int) -> torch.Tensor:
         xf = x.float()
         scale = qdq_scale(amax)
-        y = torch.clamp(torch.round(xf / scale), qmin, qmax) * scale
-        ctx.save_for_backward(xf.abs() <= amax.float())
-        return y.to(x.dtype)
+        scaled = xf / scale
+        q = torch.clamp(torch.round(scaled), qmin, qmax)
+        inside = xf.abs() <= amax.detach().float()
+        if ctx.needs_input_grad[1]:  # learned amax: keep d(q * scale) / d amax (times 127), in half precision
+            ctx.save_for_backward(inside, torch.where(inside, q - scaled, q).half())
+        else:
+            ctx.save_for_backward(inside)
+        ctx.amax_shape = amax.shape
+        return (q * scale).to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        (inside,) = ctx.saved_tensors
-        return grad * inside.to(grad.dtype), None, None, None
+        inside = ctx.saved_tensors[0]
+        grad_x = grad * inside.to(grad.dtype)
+        grad_amax = None
+        if ctx.needs_input_grad[1]:
+            local = grad.float() * ctx.saved_tensors[1].float() / 127.0  # 127: qdq_scale's divisor
+            grad_amax = local.sum_to_size(ctx.amax_shape) if len(ctx.amax_shape) else local.sum()
+        return grad_x, grad_amax, None, None
 
 
 def fake_quant(inputs: torch.Tensor, quantizer) -> torch.Tensor:
     """modelopt backend entry point: ``inputs`` fake-quantized by ``quantizer`` (its amax, bits, sign)."""
-    amax = quantizer._get_amax(inputs)
+    learned = quantizer._parameters.get("_amax")
+    amax = learned if learned is not None and torch.is_grad_enabled() else quantizer._get_amax(inputs)
     num_bits, unsigned, narrow = quantizer._num_bits, quantizer._unsigned, quantizer._narrow_range
     if torch.onnx.is_in_onnx_export() or not isinstance(num_bits, int):
         from modelopt.torch.quantization.tensor_quant import fake_tensor_quant
@@ -77,3 +95,20 @@ def use_qdq_rounding(model: nn.Module) -> nn.Module:
         if isinstance(m, TensorQuantizer):
             m.backend = BACKEND
     return model
+
+
+@contextlib.contextmanager
+def full_fp32():
+    """Convolutions and matmuls in full float32 inside the block (TF32 off).
+
+    cuDNN runs float32 convolutions in TF32 by default on Ampere and newer GPUs (10-bit mantissa): about
+    1e-3 relative error on every conv output, which moves values across rounding boundaries of the next
+    quantizer far more often than the runtimes' own last-bit differences. A fake-quantized model is
+    therefore evaluated in full float32, the arithmetic of ONNX Runtime on the CPU and the closest to
+    TensorRT's INT8 kernels (exact integer accumulation, then float scaling)."""
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved

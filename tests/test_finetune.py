@@ -184,3 +184,79 @@ def test_lr_schedule_warms_up_then_decays():
     f = [lr_factor(s, 100, 10, 0.01) for s in range(100)]
     assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0)
     assert all(a >= b for a, b in zip(f[9:], f[10:])) and f[-1] == pytest.approx(0.01, abs=1e-3)
+
+
+def test_learned_amax_gradient_is_lsq(yolov9_tree):
+    """With a trainable amax the quantizer gives amax LSQ's gradient, (q - x/scale)/127 inside the range and
+    q/127 where the input is clipped; the input's gradient stays the clipped straight-through one."""
+    from models.quantize_qdq import _QDQ, qdq_scale
+    amax = torch.tensor(4.0, requires_grad=True)
+    x = torch.tensor([-5.0, -1.0, 0.3, 2.0, 5.0], requires_grad=True)
+    _QDQ.apply(x, amax, -128, 127).sum().backward()
+    scaled = x.detach() / qdq_scale(torch.tensor(4.0))
+    q = torch.clamp(torch.round(scaled), -128, 127)
+    inside = x.detach().abs() <= 4.0
+    expected = float((torch.where(inside, q - scaled, q) / 127).sum())
+    assert float(amax.grad) == pytest.approx(expected, rel=1e-3) and expected != 0
+    assert x.grad.tolist() == [0.0, 1.0, 1.0, 1.0, 0.0]
+    # per-channel amax (C x 1): the gradient is summed over each channel's elements
+    amax_c = torch.tensor([[4.0], [1.0]], requires_grad=True)
+    _QDQ.apply(torch.tensor([[0.3, 5.0], [0.3, -5.0]]), amax_c, -128, 127).sum().backward()
+    residual = [float(torch.round(0.3 / qdq_scale(torch.tensor(a))) - 0.3 / qdq_scale(torch.tensor(a))) for a in (4.0, 1.0)]
+    assert amax_c.grad.shape == (2, 1)
+    assert amax_c.grad[:, 0].tolist() == pytest.approx([(residual[0] + 127) / 127, (residual[1] - 128) / 127], rel=1e-4)
+
+
+def test_learned_amax_moves_keeps_groups_shared_and_saves_as_buffers(qs, qs_calibrated, images, tmp_path):
+    """--amax-lr: activation amax are trained; the quantizers of a shared-scale group end on one value; the
+    model handed back (and every checkpoint) holds plain ``_amax`` buffers, and restores from a checkpoint."""
+    from models.quantize import fuse
+    from models.quantize_finetune import QATConfig, finetune
+    from models.quantize_rules import input_quantizers
+    from utils.qat import checkpoint
+    qmodel, info = qs_calibrated
+    assert info.scale_groups, "the embedded model has concat groups"
+    student = copy.deepcopy(qmodel)
+    before = {n: float(q._amax) for n, q in input_quantizers(student).items()}
+    saved = []
+
+    def epoch_end(result):
+        assert not any("_amax" in q._parameters for q in input_quantizers(student).values())
+        saved.append(checkpoint.save_quantized(tmp_path / f"ep{result.epoch}.pt", student, info))
+        saved.append(result)
+
+    finetune(student, fuse(copy.deepcopy(qs)), lambda: [images], on_epoch_end=epoch_end,
+             config=QATConfig(epochs=1, iters=3, lr=1e-4, warmup=0, amax_lr=0.05, ema=0),
+             scale_groups=info.scale_groups)
+    after = {n: q for n, q in input_quantizers(student).items()}
+    assert all("_amax" in q._buffers and "_amax" not in q._parameters for q in after.values())
+    assert not any(p is q._amax for q in after.values() for p in student.parameters())
+    moved = [n for n in before if abs(float(after[n]._amax) / before[n] - 1) > 1e-3]
+    assert len(moved) > len(before) // 2
+    for group in info.scale_groups:
+        assert len({float(after[n]._amax) for n in group}) == 1, group
+    assert saved[1].amax["amax_change_max"] > 0
+    restored, _, _ = checkpoint.load_quantized(saved[0])
+    assert {n: float(q._amax) for n, q in input_quantizers(restored).items()} == {
+        n: float(q._amax) for n, q in after.items()}
+    assert not any(p.requires_grad for n, p in restored.named_parameters() if n.endswith("_amax"))
+
+
+def test_fake_quant_models_are_evaluated_without_tf32(qs, qs_calibrated, images):
+    """TorchBackend runs a fake-quantized model with TF32 off (as ONNX Runtime / TensorRT compute), an FP
+    model as PyTorch is configured, and restores the flags after the call."""
+    from models.quantize import fuse
+    from utils.qat.backends import TorchBackend
+    qmodel, _ = qs_calibrated
+    seen = []
+    flags = lambda: (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)  # noqa: E731
+    before = flags()
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        for model in (copy.deepcopy(qmodel), fuse(copy.deepcopy(qs))):
+            hook = model.model[0].register_forward_hook(lambda m, a, o: seen.append(flags()))
+            TorchBackend(model, torch.device("cpu"))(images[:1])
+            hook.remove()
+        assert seen == [(False, False), (True, True)] and flags() == (True, True)
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = before

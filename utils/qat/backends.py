@@ -8,7 +8,9 @@ The TensorRT backend lives in ``utils/qat/trt_engine.py``.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +23,8 @@ END2END_OUTPUTS = ("num_dets", "det_boxes", "det_scores", "det_classes")
 
 
 class TorchBackend:
-    """A PyTorch model (FP or fake-quant). ``task="segment"`` returns ``(pred, protos)``."""
+    """A PyTorch model (FP or fake-quant). ``task="segment"`` returns ``(pred, protos)``. A fake-quant
+    model runs in full float32 (``models.quantize_qdq.full_fp32``: no TF32), as the runtimes compute it."""
 
     def __init__(self, model: nn.Module, device: torch.device, half: bool = False, task: str = "detect"):
         self.model = model.to(device).eval()
@@ -35,10 +38,14 @@ class TorchBackend:
         self.imgsz = None
         self.end2end = False
         self.task = task
+        qnn = sys.modules.get("modelopt.torch.quantization.nn")  # a fake-quant model has imported it
+        self.quantized = qnn is not None and any(isinstance(m, qnn.TensorQuantizer) for m in model.modules())
 
     @torch.no_grad()
     def __call__(self, images: torch.Tensor):
-        out = self.model(images.half() if self.fp16 else images)
+        from models.quantize_qdq import full_fp32
+        with full_fp32() if self.quantized else contextlib.nullcontext():
+            out = self.model(images.half() if self.fp16 else images)
         return seg_outputs(out) if self.task == "segment" else main_output(out)
 
 

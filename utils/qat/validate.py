@@ -79,6 +79,9 @@ FLAGS: dict[str, Range] = {
     "--weight-decay": Range(0, 1),
     "--ema": Range(0, 1, high_open=True, hint="0 turns the average off; e.g. 0.99"),
     "--supervision-stride": Range(1),
+    "--amax-lr": Range(0, 1, hint="0 keeps the calibrated amax; e.g. 1e-3"),
+    "--bias-lr": Range(0, 1000, low_open=True, hint="1 = the same rate as the weights"),
+    "--box-gain": Range(0, 1000, hint="e.g. 1"),
     "--top": Range(1),
     # ONNX export (INT8 per-channel Q/DQ needs opset 13; torch's TorchScript exporter stops at 20)
     "--opset": Range(13, 20, hint="e.g. 17"),
