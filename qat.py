@@ -182,21 +182,12 @@ def _print_table(rows: list[dict]) -> None:
 
 
 def _calibrated(fp_model, data, args, device, skip=(), launch=None):
-    """PTQ: prepare + calibrate on the training split. Returns (model, info).
-
-    In a multi-GPU run each rank reads ``--calib-batches`` batches of ``batch-size / world size`` images of
-    its shard, so together the ranks see the same images as one process reading ``--calib-batches``
-    batches of ``--batch-size``; ``calibrate`` then merges their statistics.
-    """
-    from models.quantize import calibrate, prepare
-    qmodel, info = prepare(fp_model, method=args.calib_method, skip=skip)
-    info.percentile = args.percentile
-    qmodel.to(device)
+    """PTQ with the command line's settings (``utils.qat.pipeline.ptq``). Returns (model, info)."""
+    from utils.qat.pipeline import ptq
     world, local_rank = (launch.world_size, launch.local_rank) if launch else (1, -1)
-    loader, _ = dataloader(data, "train", args.imgsz, args.batch_size // world, int(fp_model.stride.max()),
-                           workers=args.workers, rect=False, prefix="calibration: ", local_rank=local_rank)
-    calibrate(qmodel, images_only(loader, device), info, num_batches=min(args.calib_batches, len(loader)))
-    qmodel.names = fp_model.names
+    qmodel, info = ptq(fp_model, data, imgsz=args.imgsz, batch_size=args.batch_size, device=device,
+                       method=args.calib_method, percentile=args.percentile, skip=skip,
+                       calib_batches=args.calib_batches, workers=args.workers, world_size=world, local_rank=local_rank)
     _dump_amax(qmodel)
     return qmodel, info
 
@@ -207,7 +198,7 @@ def _dump_amax(qmodel) -> None:
     folder = os.environ.get("YOLOV9_QAT_AMAX_DUMP")
     if not folder:
         return
-    from models.quantize_dist import amax_table
+    from models.quantize_state import amax_table
     from utils.qat.atomic import write_text
     write_text(Path(folder) / f"amax_rank{distributed.rank()}.json", json.dumps(amax_table(qmodel)))
 
@@ -352,8 +343,7 @@ def _one_process_device(spec: str, command: str, task: str = "detect"):
 
 
 def cmd_sensitive(args) -> Path:
-    from modelopt.torch.quantization.nn import TensorQuantizer
-
+    from models.quantize_state import enabled_quantizers, quantizers_off
     from utils.qat.atomic import write_text
     device = _one_process_device(args.device, "sensitive", args.task)
     fp = checkpoint.load_fp(args.weights, task=args.task)
@@ -369,14 +359,11 @@ def cmd_sensitive(args) -> Path:
     base, _ = _score(backend, data, args, "all layers INT8", args.num_image)
     layers = []
     for i, layer in enumerate(qmodel.model):
-        qs = [q for q in layer.modules() if isinstance(q, TensorQuantizer) and q.is_enabled]
+        qs = enabled_quantizers(layer)
         if not qs:
             continue
-        for q in qs:
-            q.disable()
-        m, _ = _score(backend, data, args, f"layer {i} in FP", args.num_image)
-        for q in qs:
-            q.enable()
+        with quantizers_off(qs):
+            m, _ = _score(backend, data, args, f"layer {i} in FP", args.num_image)
         layers.append({"layer": i, "module": type(layer).__name__.removeprefix("Quant"), **_epoch_record(m),
                        "gain": round(m.mAP50_95 - base.mAP50_95, 4)})
     layers.sort(key=lambda r: r["AP"], reverse=True)

@@ -34,7 +34,7 @@ compat.apply()
 import torch  # noqa: E402
 
 from models.qat_objectives import head_distillation, head_of, needs_labels  # noqa: E402
-from models.quantize import calibrate, fuse, prepare  # noqa: E402
+from models.quantize import fuse  # noqa: E402
 from models.quantize_finetune import QATConfig, finetune  # noqa: E402
 from utils.qat import checkpoint  # noqa: E402
 from utils.qat.atomic import write_text  # noqa: E402
@@ -43,6 +43,7 @@ from utils.qat.data import dataloader, images_only, labelled, load_data_yaml, lo
 from utils.qat.device import select_device  # noqa: E402
 from utils.qat.errors import QATError  # noqa: E402
 from utils.qat.evaluate import evaluate  # noqa: E402
+from utils.qat.pipeline import ptq  # noqa: E402
 
 
 def parse_recipe(text: str, epochs: int, iters: int) -> QATConfig:
@@ -131,12 +132,7 @@ def main(args) -> dict:
     save = lambda: (write_text(out / "results.json", json.dumps(results, indent=2)),  # noqa: E731
                     write_text(out / "results.md", render(results)))
     results["origin"] = evaluate(TorchBackend(fuse(copy.deepcopy(fp)), device), data, desc="Origin", **common).mAP50_95
-    qmodel, info = prepare(fp, method=args.calib_method)
-    qmodel.to(device)
-    loader, _ = dataloader(data, "train", args.imgsz, args.batch_size, stride, workers=args.workers, rect=False,
-                           prefix="calibration: ")
-    calibrate(qmodel, images_only(loader, device), info, num_batches=min(args.calib_batches, len(loader)))
-    qmodel.names = fp.names
+    qmodel, info = ptq(fp, data, method=args.calib_method, calib_batches=args.calib_batches, device=device, **common)
     results["ptq"] = evaluate(TorchBackend(qmodel, device), data, desc="PTQ", **common).mAP50_95
     teacher = fuse(copy.deepcopy(fp)).to(device)
     val, _ = dataloader(data, "val", args.imgsz, args.batch_size, stride, workers=args.workers, prefix="held-out: ")

@@ -30,13 +30,14 @@ compat.apply()
 import torch  # noqa: E402
 
 import qat  # noqa: E402
-from models.quantize import CALIB_METHODS, DEFAULT_CALIB_METHOD  # noqa: E402
+from models.quantize_defaults import CALIB_METHODS, DEFAULT_CALIB_METHOD  # noqa: E402
 from utils.qat import __version__, checkpoint, reports  # noqa: E402
 from utils.qat.atomic import write_text  # noqa: E402
 from utils.qat.backends import ORTBackend, TorchBackend  # noqa: E402
 from utils.qat.data import load_data_yaml  # noqa: E402
 from utils.qat.device import select_device  # noqa: E402
 from utils.qat.evaluate import evaluate  # noqa: E402
+from utils.qat.pipeline import ptq  # noqa: E402
 
 STAGES = ("fp", "ptq", "qat", "sensitive", "qat_skip", "onnx")
 
@@ -195,11 +196,9 @@ def main(args) -> None:
             bench.row("Origin", evaluate(TorchBackend(fuse(copy.deepcopy(fp)), device), data, desc="Origin", **common))
 
     if "ptq" in stages:
-        ns = argparse.Namespace(**{**vars(args), "percentile": 99.99})
         for method in args.methods.split(","):
-            ns.calib_method = method
             with bench.timed(f"calibrate {method}"):
-                qmodel, _ = qat._calibrated(fp, data, ns, device)
+                qmodel, _ = ptq(fp, data, method=method, calib_batches=args.calib_batches, device=device, **common)
             with bench.timed(f"eval PTQ {method}"):
                 bench.row(f"PTQ {method}", evaluate(TorchBackend(qmodel, device), data, desc=f"PTQ {method}", **common))
             del qmodel

@@ -197,25 +197,20 @@ def input_quantizers(model: nn.Module, enabled_only: bool = True) -> dict[str, T
 @torch.no_grad()
 def scale_groups(model: nn.Module, example: torch.Tensor) -> list[list[str]]:
     """Groups (of two or more) of enabled input-quantizer names that must share one amax."""
+    from models.quantize_state import quantizers_off
     quantizers = input_quantizers(model)
-    all_q = [m for m in model.modules() if isinstance(m, TensorQuantizer)]
-    was_enabled = [q.is_enabled for q in all_q]
     seen: dict[str, list[torch.Tensor]] = {n: [] for n in quantizers}
     keep: list[torch.Tensor] = []  # keeps traced tensors alive, so their ids stay unique
     hooks = [q.register_forward_pre_hook(lambda m, a, n=n: seen[n].append(a[0])) for n, q in quantizers.items()]
     recorder = _FlowRecorder()
     training = model.training
     try:
-        for q in all_q:
-            q.disable()
         model.eval()
-        with recorder:
+        with quantizers_off(m for m in model.modules() if isinstance(m, TensorQuantizer)), recorder:
             keep.append(model(example))
     finally:
         for h in hooks:
             h.remove()
-        for q, on in zip(all_q, was_enabled):
-            q.enable() if on else q.disable()
         model.train(training)
 
     uf = _UnionFind()

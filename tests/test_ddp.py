@@ -89,7 +89,7 @@ def test_benchmark_report(bench):
 def _histograms(values: torch.Tensor, batches: list[slice], seed: torch.Tensor | None = None):
     from modelopt.torch.quantization.calib import HistogramCalibrator
 
-    from models.quantize_dist import start_bins
+    from models.quantize_calib import start_bins
     c = HistogramCalibrator()
     if seed is not None:
         start_bins(c, seed)
@@ -102,8 +102,7 @@ def test_histogram_merge():
     """Two 'ranks' each collect half of every batch; one calibrator collects the whole batches."""
     from modelopt.torch.quantization.calib import HistogramCalibrator
 
-    from models.quantize import histogram_amax, mse_amax
-    from models.quantize_dist import merge_histograms
+    from models.quantize_calib import histogram_amax, merge_histograms, mse_amax
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4, 4000, generator=g) ** 3  # heavy tails; batch 2 holds the largest value, so bins grow
     x[2, 7] = x.abs().max() * 1.5
@@ -156,19 +155,17 @@ def test_seeding_changes_nothing_in_one_process(yolov9_tree):
     (a Concat's quantizer is seeded from its first input, as modelopt's first collect sees it)."""
     from modelopt.torch.quantization.calib import HistogramCalibrator
 
-    from models.quantize import _enabled_quantizers, prepare
-    from models.quantize_dist import seed_histograms
+    from models.quantize import prepare
+    from models.quantize_calib import seed_histograms
+    from models.quantize_state import collecting, enabled_quantizers
     from utils.qat import checkpoint
     fp = checkpoint.load_fp(QS)
     images = [torch.rand(2, 3, 64, 64, generator=torch.Generator().manual_seed(i)) for i in range(2)]
     hists = []
     for seeded in (False, True):
         model, _ = prepare(fp, method="mse")
-        qs = _enabled_quantizers(model)
-        for q in qs:
-            q.disable_quant()
-            q.enable_calib()
-        with torch.no_grad():
+        qs = enabled_quantizers(model)
+        with torch.no_grad(), collecting(qs):
             for im in (seed_histograms(model, qs, images) if seeded else images):
                 model(im)
         hists.append([(q._calibrator._calib_hist, torch.as_tensor(q._calibrator._calib_bin_edges)) for q in qs

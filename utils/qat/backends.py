@@ -26,12 +26,9 @@ class TorchBackend:
     """A PyTorch model (FP or fake-quant). ``task="segment"`` returns ``(pred, protos)``. A fake-quant
     model runs in full float32 (``models.quantize_qdq.full_fp32``: no TF32), as the runtimes compute it."""
 
-    def __init__(self, model: nn.Module, device: torch.device, half: bool = False, task: str = "detect"):
+    def __init__(self, model: nn.Module, device: torch.device, task: str = "detect"):
         self.model = model.to(device).eval()
         self.device = device
-        self.fp16 = half and device.type == "cuda"
-        if self.fp16:
-            self.model.half()
         self.stride = int(model.stride.max())
         self.names = dict(model.names)
         self.batch_size = None
@@ -45,7 +42,7 @@ class TorchBackend:
     def __call__(self, images: torch.Tensor):
         from models.quantize_qdq import full_fp32
         with full_fp32() if self.quantized else contextlib.nullcontext():
-            out = self.model(images.half() if self.fp16 else images)
+            out = self.model(images)
         return seg_outputs(out) if self.task == "segment" else main_output(out)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -16,9 +16,6 @@ import torch
 from utils.qat.atomic import write_text
 from utils.qat.data import dataloader
 from utils.qat.progress import progress
-
-METRIC_KEYS = ("P", "R", "mAP50", "mAP50-95")
-
 
 @dataclass
 class Metrics:
@@ -30,15 +27,6 @@ class Metrics:
     instances: int = 0
     seconds: float = 0.0
     per_class: dict = field(default_factory=dict)
-    coco: dict = field(default_factory=dict)
-
-    def row(self) -> dict:
-        return {"P": self.P, "R": self.R, "mAP50": self.mAP50, "mAP50-95": self.mAP50_95}
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["mAP50-95"] = d.pop("mAP50_95")
-        return d
 
 
 def end2end_detections(out: dict) -> list[torch.Tensor]:
@@ -167,17 +155,3 @@ def _json_records(predn: torch.Tensor, path: Path) -> list[dict]:
     box[:, 2:] -= box[:, :2]
     return [{"image_id": image_id, "category_id": int(p[5]), "bbox": [round(float(x), 3) for x in b],
              "score": round(float(p[4]), 5)} for p, b in zip(predn.tolist(), box.tolist())]
-
-
-def coco_score(pred_json: str | Path, anno_json: str | Path) -> dict:
-    """Score a predictions JSON with pycocotools against a COCO annotations file (category ids must match)."""
-    from pycocotools.coco import COCO
-    from pycocotools.cocoeval import COCOeval
-    gt = COCO(str(anno_json))
-    dt = gt.loadRes(str(pred_json))
-    ev = COCOeval(gt, dt, "bbox")
-    ev.params.imgIds = sorted({d["image_id"] for d in json.loads(Path(pred_json).read_text())})
-    ev.evaluate()
-    ev.accumulate()
-    ev.summarize()
-    return {"AP": float(ev.stats[0]), "AP50": float(ev.stats[1])}

@@ -1,13 +1,18 @@
-"""Calibration across the processes of a multi-GPU run: each rank calibrates on its shard of the images;
-here the ranks agree on one amax per quantizer, bit for bit.
+"""Calibration: statistics over images, then one amax per quantizer; across the processes of a multi-GPU
+run, the same amax on every rank. The only module that reads modelopt's calibrator internals.
 
-- Max calibrators (weights always; inputs with ``--calib-method max``): the element-wise max of the ranks'
-  amax is the max over all images. One all-reduce carries every quantizer's amax.
-- Histogram calibrators (percentile, mse, entropy): before collecting, ``seed_histograms`` starts every
-  rank on the bins one process would start with; afterwards the ranks' histograms are gathered and merged
+    info = calibrate(qmodel, batches, info, num_batches=25)     # qmodel, info from models.quantize.prepare
+
+- Max calibrators (weights always; inputs with ``--calib-method max``): amax is the max |x| seen. Across
+  ranks, the element-wise max of the ranks' amax is the max over all images (one all-reduce).
+- Histogram calibrators (percentile, mse, entropy): amax from the histogram of |x| (``histogram_amax``;
+  the MSE search is this module's own, ``mse_amax``). Across ranks, ``seed_histograms`` starts every rank on
+  the bins one process would start with; afterwards the ranks' histograms are gathered and merged
   (``merge_histograms``), and each merged histogram's amax is computed by one rank (round-robin, which
   also splits the minutes entropy takes) and shared by a max-reduction in which the other ranks contribute
   zeros (amax >= 0, so every rank ends with the owner's value exactly).
+- Then the quantizers that must share one scale (``models/quantize_rules.scale_groups``) get their
+  group's largest amax.
 """
 from __future__ import annotations
 
@@ -15,14 +20,107 @@ import itertools
 import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from modelopt.torch.quantization.calib import HistogramCalibrator
 from modelopt.torch.quantization.nn import TensorQuantizer
 from torch import nn
 
+from models import quantize_rules as rules
+from models.quantize_state import amax_vector, collecting, enabled_quantizers, not_collecting
 from utils.qat import distributed
+from utils.qat.errors import QATError
+from utils.qat.progress import progress
 
+if TYPE_CHECKING:
+    from models.quantize import QuantInfo
+
+
+@torch.no_grad()
+def calibrate(model: nn.Module, batches: Iterable[torch.Tensor], info: QuantInfo, example: torch.Tensor | None = None,
+              num_batches: int | None = None) -> QuantInfo:
+    """Collect statistics over ``batches`` (images as float tensors on the model's device), set amax on
+    every enabled quantizer with ``info.calib_method``, then give each shared-scale group one amax.
+    ``example``: the input traced to find the shared-scale groups (default: the first calibration image).
+
+    In a multi-GPU run (process group joined) every rank calls this with its own shard of the images; the
+    ranks then agree on amax from the statistics of all of them (below) and leave with identical quantizers
+    (checked).
+
+    modelopt 0.47's own histogram path calls ``compute_amax()`` without the method and computes each
+    histogram amax twice; calibration is driven here instead: one pass, one ``compute_amax`` per quantizer.
+    """
+    quantizers = enabled_quantizers(model)
+    training = model.training
+    model.eval()
+    seen = 0
+    try:
+        with collecting(quantizers):
+            if distributed.active():  # every rank starts its histograms on the bins of the global first batch
+                batches = seed_histograms(model, quantizers, batches)
+            for images in progress(batches, total=num_batches, desc=f"calibrating ({info.calib_method})"):
+                model(images)
+                if example is None:
+                    example = images[:1]
+                seen += 1
+                if num_batches is not None and seen >= num_batches:
+                    break
+            if seen == 0:
+                raise QATError("no calibration images were read; check the 'train' entry of the dataset yaml.")
+            if distributed.active():  # each rank saw its shard: agree on amax from the statistics of all
+                sync_calibration(quantizers, info.calib_method, info.percentile, images.device)
+            else:
+                for q in progress(quantizers, desc="computing amax", leave=False):
+                    if isinstance(q._calibrator, HistogramCalibrator):
+                        q.amax = histogram_amax(q._calibrator, info.calib_method, info.percentile).to(images.device)
+                    else:
+                        q.load_calib_amax()
+    finally:
+        model.train(training)
+    info.scale_groups = rules.scale_groups(model, example)
+    rules.tie_scales(model, info.scale_groups)
+    if distributed.active():
+        distributed.check_identical(amax_vector(model), "quantizer amax values after calibration")
+    return info
+
+
+def histogram_amax(calibrator: HistogramCalibrator, method: str, percentile: float) -> torch.Tensor:
+    """amax from a collected histogram. MSE is searched here: modelopt 0.47's ``_compute_amax_mse``
+    calls ``fake_tensor_quant`` with its pre-``bias`` signature and returns the first candidate."""
+    if calibrator._calib_hist is None:
+        raise RuntimeError("a quantizer saw no data during calibration")
+    if method == "mse":
+        return mse_amax(calibrator._calib_hist, calibrator._calib_bin_edges, calibrator._num_bits,
+                        calibrator._unsigned)
+    kwargs = {"percentile": percentile} if method == "percentile" else {}
+    return torch.as_tensor(calibrator.compute_amax(method, **kwargs), dtype=torch.float32)
+
+
+def mse_amax(hist, edges, num_bits: int = 8, unsigned: bool = False, start_bin: int = 128) -> torch.Tensor:
+    """The clipping value (a bin centre from ``start_bin`` on) minimising the histogram-weighted
+    squared error of symmetric fake quantization of |x|."""
+    counts = torch.as_tensor(hist).detach().cpu().double().flatten()
+    edges = torch.as_tensor(edges).detach().cpu().double().flatten()
+    if len(edges) != len(counts) + 1:
+        # modelopt grows its histogram with torch.arange(0, max + width, width), which can yield one edge more
+        # than histc's bins; histc itself split [0, edges[-1]] into len(counts) equal bins
+        edges = torch.linspace(0.0, float(edges[-1]), len(counts) + 1, dtype=torch.float64)
+    centers = (edges[1:] + edges[:-1]) / 2
+    candidates = centers[min(start_bin, len(centers) - 1):]
+    levels = 2 ** num_bits - 1 if unsigned else 2 ** (num_bits - 1) - 1
+    best, best_err = candidates[-1], float("inf")
+    for chunk in candidates.split(256):  # bounded memory: 256 x bins at a time
+        scale = chunk[:, None] / levels
+        quant = torch.clamp(torch.round(centers[None] / scale), max=levels) * scale
+        err = ((quant - centers[None]) ** 2 * counts[None]).sum(1)
+        i = int(err.argmin())
+        if float(err[i]) < best_err:
+            best, best_err = chunk[i], float(err[i])
+    return best.float()
+
+
+# ---- across the ranks of a multi-GPU run --------------------------------------------------------------
 
 def seed_histograms(model: nn.Module, quantizers: list[TensorQuantizer],
                     batches: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
@@ -50,15 +148,12 @@ def seed_histograms(model: nn.Module, quantizers: list[TensorQuantizer],
         return hook
 
     hooks = [q.register_forward_pre_hook(record(i)) for i, q in enumerate(hist)]
-    for q in quantizers:
-        q.disable_calib()
     try:
-        model(first)
+        with not_collecting(quantizers):
+            model(first)
     finally:
         for h in hooks:
             h.remove()
-        for q in quantizers:
-            q.enable_calib()
     zero = torch.zeros((), device=first.device)
     top = distributed.all_reduce_max(torch.stack([peaks.get(i, zero) for i in range(len(hist))]))
     for q, m in zip(hist, top):
@@ -133,7 +228,6 @@ def sync_calibration(quantizers: list[TensorQuantizer], method: str, percentile:
 
     Call on every rank, after each has collected statistics on its own images (collectives inside).
     """
-    from models.quantize import histogram_amax
     hist = [q for q in quantizers if isinstance(q._calibrator, HistogramCalibrator)]
     plain = [q for q in quantizers if not isinstance(q._calibrator, HistogramCalibrator)]
     for q in plain:
@@ -158,16 +252,3 @@ def sync_calibration(quantizers: list[TensorQuantizer], method: str, percentile:
     amax = distributed.all_reduce_max(amax)
     for q, a in zip(hist, amax):
         q.amax = torch.tensor(float(a), dtype=torch.float32, device=device)
-
-
-def amax_vector(model: nn.Module) -> torch.Tensor:
-    """All quantizers' amax, flattened in module order (for comparing ranks or runs)."""
-    parts = [m.amax.detach().float().flatten().cpu() for m in model.modules()
-             if isinstance(m, TensorQuantizer) and m.is_enabled and m.amax is not None]
-    return torch.cat(parts) if parts else torch.zeros(0)
-
-
-def amax_table(model: nn.Module) -> dict[str, list[float]]:
-    """Each enabled quantizer's amax by module name (what ``YOLOV9_QAT_AMAX_DUMP`` writes per rank)."""
-    return {n: m.amax.detach().float().flatten().cpu().tolist() for n, m in model.named_modules()
-            if isinstance(m, TensorQuantizer) and m.is_enabled and m.amax is not None}
