@@ -15,7 +15,7 @@ import onnx
 import pytest
 import torch
 
-from conftest import run_tool
+from conftest import cli_error, run_tool
 from helpers import TINY_GELAN, build, real_images
 
 ort = pytest.importorskip("onnxruntime")
@@ -505,22 +505,15 @@ def test_val_trt_int8_onnx_close_to_fake_quant(yolov9_tree, qat_model, qat_plain
 # errors: one sentence, non-zero exit, nothing half-written
 # ---------------------------------------------------------------------------------------------
 
-def _error(r) -> str:
-    assert r.returncode != 0, r.stdout
-    lines = [line for line in r.stderr.strip().splitlines() if line.startswith("error:")]
-    assert lines and "Traceback" not in r.stderr, r.stderr
-    return lines[-1]
-
-
 def test_cli_errors(yolov9_tree, work):
-    """The CLIs as users run them: one 'error: ...' sentence, exit status 2."""
+    """The CLIs' own checks: one sentence (run_cli prints it as 'error: ...', exit status 2; argparse's choices:
+    tests/test_validate.py)."""
     bad = work / "errors"
     bad.mkdir()
-    assert "not found" in _error(run_tool(yolov9_tree, "export_qat.py", "--weights", str(bad / "nope.pt")))
-    r = run_tool(yolov9_tree, "export_qat.py", "--weights", str(bad / "nope.pt"), "--include", "tflite")
-    assert r.returncode == 2 and "invalid choice: 'tflite'" in r.stderr
-    r = run_tool(yolov9_tree, "export_yoloV9.py", "--weights", str(work / "gelan-c.pt"), "--batch", "4", "--dynamic")
-    assert r.returncode == 2 and "--dynamic" in _error(r) and "--batch" in _error(r)
+    assert "not found" in cli_error(yolov9_tree, "export_qat.py", "--weights", str(bad / "nope.pt"))
+    error = cli_error(yolov9_tree, "export_yoloV9.py", "--weights", str(work / "gelan-c.pt"), "--batch", "4",
+                      "--dynamic")
+    assert "--dynamic" in error and "--batch" in error
     assert not list(bad.iterdir())
 
 

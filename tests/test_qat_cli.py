@@ -7,7 +7,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import REPO, run_tool
+from conftest import REPO, cli_error, run_tool
 
 QS = REPO / "weights" / "gelan-qs-shapes.pt"
 IMGSZ = "128"
@@ -70,8 +70,8 @@ def test_eval_reproduces_report(yolov9_tree, shapes, quantize_run, tmp_path):
 def test_eval_fp_needs_allow_fp(yolov9_tree, shapes, tmp_path):
     args = ["qat.py", "eval", "--weights", str(QS), "--data", str(shapes), "--device", "cpu", "--imgsz", IMGSZ,
             "--project", str(tmp_path), "--workers", "2"]
-    r = run_tool(yolov9_tree, *args)
-    assert r.returncode == 2 and "floating-point checkpoint" in r.stderr and "--allow-fp" in r.stderr
+    error = cli_error(yolov9_tree, *args)
+    assert "floating-point checkpoint" in error and "--allow-fp" in error
     assert not (tmp_path / "exp").exists()
     r = run_tool(yolov9_tree, *args, "--allow-fp", "--num-image", "8")
     assert r.returncode == 0, r.stderr[-2000:]
@@ -110,15 +110,11 @@ def test_ptq_only_and_no_eval_flags(yolov9_tree, shapes, tmp_path):
 
 
 def _error(tree, tmp_path, *args) -> str:
-    r = run_tool(tree, "qat.py", *args, "--device", "cpu", "--imgsz", IMGSZ, "--project", str(tmp_path),
-                 "--workers", "2")
-    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
-    lines = [l for l in r.stderr.strip().splitlines() if l.startswith("error: ")]
-    assert len(lines) == 1, r.stderr[-2000:]
-    return lines[0]
+    return cli_error(tree, "qat.py", *args, "--device", "cpu", "--imgsz", IMGSZ, "--project", str(tmp_path),
+                     "--workers", "2")
 
 
-def test_errors(yolov9_tree, shapes, quantize_run, tmp_path):
+def test_errors(yolov9_tree, shapes, quantize_run, tmp_path, monkeypatch):
     run, _ = quantize_run
     qbest = str(run / "weights" / "qat_best_gelan-qs-shapes.pt")
     data = str(shapes)
@@ -140,8 +136,10 @@ def test_errors(yolov9_tree, shapes, quantize_run, tmp_path):
     bad.write_text(yaml.safe_dump({**cfg, "path": str(tmp_path / "empty"), "val": "images"}))
     assert "holds no images" in _error(yolov9_tree, tmp_path, "eval", "--weights", qbest, "--data", str(bad))
     if not torch.cuda.is_available():
-        r = run_tool(yolov9_tree, "qat.py", "eval", "--weights", qbest, "--data", data, "--device", "cuda:0")
-        assert r.returncode == 2 and "no CUDA GPU" not in r.stderr and "none is available" in r.stderr
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # as it was, whatever device selection sets
+        error = cli_error(yolov9_tree, "qat.py", "eval", "--weights", qbest, "--data", data, "--device", "cuda:0",
+                          "--project", str(tmp_path))
+        assert "no CUDA GPU" not in error and "none is available" in error
     assert not list(tmp_path.glob("exp*")), "a failed command must not leave a run folder behind"
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, run_tool
+from conftest import REPO, cli_error, run_main, run_tool
 
 SEG = REPO / "weights" / "gelan-qs-seg-shapes.pt"
 DET = REPO / "weights" / "gelan-qs-shapes.pt"
@@ -267,11 +267,8 @@ def test_qat_seg_sensitive(yolov9_tree, seg_shapes, tmp_path):
 # ---- errors -------------------------------------------------------------------------------------------
 
 def _error(tree, tmp_path, script, *args) -> str:
-    r = run_tool(tree, script, *args, "--device", "cpu", "--imgsz", IMGSZ, "--project", str(tmp_path), "--workers", "2")
-    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
-    lines = [l for l in r.stderr.strip().splitlines() if l.startswith("error: ")]
-    assert len(lines) == 1, r.stderr[-2000:]
-    return lines[0]
+    return cli_error(tree, script, *args, "--device", "cpu", "--imgsz", IMGSZ, "--project", str(tmp_path),
+                     "--workers", "2")
 
 
 def test_seg_errors(yolov9_tree, seg_shapes, box_shapes, tmp_path):
@@ -288,10 +285,9 @@ def test_seg_errors(yolov9_tree, seg_shapes, box_shapes, tmp_path):
 def test_val_trt_segment_on_detection_graph(yolov9_tree, seg_shapes, tmp_path):
     shutil.copyfile(DET, tmp_path / "det.pt")
     onnx_path = tmp_path / "det.onnx"
-    r = run_tool(yolov9_tree, "export_qat.py", "--weights", str(tmp_path / "det.pt"), "--include", "onnx",
-                 "--imgsz", "128")
-    assert r.returncode == 0 and onnx_path.is_file(), r.stderr[-2000:]
-    r = run_tool(yolov9_tree, "val_trt.py", "--onnx", str(onnx_path), "--data", str(seg_shapes), "--task", "segment",
-                 "--project", str(tmp_path))
-    assert r.returncode == 2 and "is a detection model" in r.stderr and "--task detect" in r.stderr
+    run_main(yolov9_tree, "export_qat.py", "--weights", str(tmp_path / "det.pt"), "--include", "onnx", "--imgsz", "128")
+    assert onnx_path.is_file()
+    error = cli_error(yolov9_tree, "val_trt.py", "--onnx", str(onnx_path), "--data", str(seg_shapes), "--task",
+                      "segment", "--project", str(tmp_path))
+    assert "is a detection model" in error and "--task detect" in error
     assert not (tmp_path / "exp").exists()
