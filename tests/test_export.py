@@ -160,6 +160,8 @@ def test_fp_dynamic_export_runs_at_two_sizes(fp_model, fp_dynamic, images):
         assert np.abs(got - ref).max() < 2e-3, x.shape
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_qat_reference_command_plain(qat_plain_cli, qat_model, images):
     """export_qat.py --include onnx --dynamic --simplify --inplace (the reference README's command)."""
     r, out = qat_plain_cli
@@ -321,6 +323,8 @@ def test_end2end_onnx_qat_equals_plain_graph_plus_nms(qat_model, qat_plain_cli, 
             assert len(g) == len(r) > 0 and np.abs(g - r).max() < 1e-3
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_end2end_trt_reference_command(yolov9_tree, qat_ckpt, work):
     """export_qat.py --include onnx_end2end --nms trt (the reference README's graph): an EfficientNMS_TRT plugin
     node, with a notice that the plugin is deprecated since TensorRT 10.12 (the default is --nms onnx)."""
@@ -404,6 +408,8 @@ def _deepstream_expected(pred: np.ndarray) -> np.ndarray:
                            scores.argmax(-1)[..., None].astype(np.float32)], -1)
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_deepstream_qat_export(yolov9_tree, qat_ckpt, qat_model, images):
     """export_yoloV9.py --size N --dynamic --simplify on a QAT checkpoint."""
     r = run_tool(yolov9_tree, "export_yoloV9.py", "--weights", str(qat_ckpt), "--size", str(IMGSZ), "--dynamic",
@@ -423,6 +429,8 @@ def test_deepstream_qat_export(yolov9_tree, qat_ckpt, qat_model, images):
     assert (got[..., 5][conf] == want[..., 5][conf]).mean() > 0.95
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_deepstream_fp_dual_head(yolov9_tree, work):
     """An FP checkpoint with a dual head (DualDDetect): main branch only, --batch 2 --size H W."""
     dual_cfg = {**TINY_GELAN, "head": TINY_GELAN["head"][:-1] + [[[15, 18, 21, 15, 18, 21], 1, "DualDDetect", ["nc"]]]}
@@ -467,6 +475,8 @@ def _evaluate(model, data):
                     workers=0)
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_val_trt_fp_onnx_equals_pytorch(yolov9_tree, fp_model, fp_dynamic, work, small_data):
     got = _val(yolov9_tree, fp_dynamic, small_data, work / "runs", "fp")
     want = _evaluate(fp_model, small_data)
@@ -476,6 +486,8 @@ def test_val_trt_fp_onnx_equals_pytorch(yolov9_tree, fp_model, fp_dynamic, work,
     assert abs(got["AP"] - want.mAP50_95) < 1e-3 and abs(got["AP50"] - want.mAP50) < 1e-3
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_val_trt_end2end_equals_plain(yolov9_tree, fp_model, fp_dynamic, work, small_data):
     """An End2End graph (--nms onnx) with the evaluation thresholds scores like the plain graph + upstream NMS."""
     from utils.qat.onnx_export import export_onnx
@@ -492,6 +504,8 @@ def test_val_trt_end2end_equals_plain(yolov9_tree, fp_model, fp_dynamic, work, s
     assert abs(got["AP"] - plain["AP"]) < 1e-3 and abs(got["AP50"] - plain["AP50"]) < 1e-3
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_val_trt_int8_onnx_close_to_fake_quant(yolov9_tree, qat_model, qat_plain_cli, work, small_data):
     _, out = qat_plain_cli
     got = _val(yolov9_tree, out, small_data, work / "runs", "int8")

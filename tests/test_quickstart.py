@@ -5,9 +5,13 @@ import json
 import os
 import subprocess
 
+import pytest
+
 from conftest import REPO
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_quickstart_end_to_end(tmp_path):
     work = tmp_path / "qs"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "YOLOV9_QAT_QUIET": "1"}

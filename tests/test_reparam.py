@@ -162,6 +162,8 @@ def converted(yolov9_tree, shared, tmp_path_factory):
 # ---------------------------------------------------------------------------------------------
 # The proof: converted output == main branch output, for every size
 
+@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.parametrize("size", ["t", "s", "m", "c", "e"])
 def test_converted_model_reproduces_the_main_branch(yolov9_tree, converted, size):
     conv = converted(size)
@@ -242,6 +244,8 @@ def test_derived_layer_map_agrees_with_upstream_notebook(yolov9_tree, size):
 # ---------------------------------------------------------------------------------------------
 # Other structures and checkpoint layouts
 
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_last_pt_with_ema_custom_classes_and_all_flags(yolov9_tree, shared, tmp_path):
     """A mid-training last.pt (model + EMA), 20 classes: the EMA is converted, the class count is the checkpoint's."""
     images = photos(shared, 2, 256)
@@ -291,6 +295,8 @@ def tiny_dual(gelan: dict) -> dict:
             "backbone": layers[:len(gelan["backbone"]) + 1], "head": layers[len(gelan["backbone"]) + 1:]}
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_custom_structure_is_mapped_from_its_graph(yolov9_tree, shared, tmp_path):
     """A custom training yaml (no upstream size) converts into its custom GELAN yaml: nothing is size-specific."""
     gelan_yaml = tmp_path / "tiny-gelan.yaml"
@@ -314,6 +320,8 @@ def test_custom_structure_is_mapped_from_its_graph(yolov9_tree, shared, tmp_path
     assert max_diff(y, aux) > 1.0
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_yolov9_cf_triple_head_converts_to_gelan_c(yolov9_tree, shared, tmp_path):
     """yolov9-cf (TripleDDetect: auxiliary, coarse, fine) -> gelan-c from the head upstream evaluates (the third)."""
     images = photos(shared, 2, 256)
@@ -330,6 +338,8 @@ def test_yolov9_cf_triple_head_converts_to_gelan_c(yolov9_tree, shared, tmp_path
     assert max_diff(y, want) < TOL
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_segmentation_dseg(yolov9_tree, shared, tmp_path):
     """yolov9-c-dseg (DualDSegment) -> DSegment: converted where the structures map, one sentence where not."""
     if "class DualDSegment(" not in (yolov9_tree / "models" / "yolo.py").read_text():
@@ -414,6 +424,8 @@ def test_cfg_missing_or_not_fitting(yolov9_tree, converted, tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_upstream_val_runs_on_the_converted_model(yolov9_tree, converted, small_data, tmp_path):
     conv = converted("c")
     ok(conv.result)

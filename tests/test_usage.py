@@ -112,6 +112,8 @@ def reference_tree(yolov9_tree, tmp_path_factory):
     return tree
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_reference_users_eval_without_data(reference_tree):
     """The execution record's command, exactly: no --data, no --device, every other default."""
     r = run_tool(reference_tree, "qat.py", "eval", "--weights",
