@@ -203,6 +203,7 @@ def test_qat_reference_command_plain(qat_plain_cli, qat_model, images):
         assert np.median(np.abs(got - ref)[:, :4].transpose(0, 2, 1)[confident]) < 1.0
 
 
+@pytest.mark.slow
 def test_half_fp_and_qat(fp_model, qat_model, work, images):
     """--half is NVIDIA ModelOpt AutoCast: I/O stay FP32, FP initializers become FP16; on the Q/DQ graph the opset
     is 19 with FP16 scales and every quantized Conv reads its input and weight straight from a DequantizeLinear (no
@@ -305,6 +306,7 @@ def test_end2end_onnx_fp_equals_upstream_nms(fp_model, work, images, agnostic):
         assert (got["det_scores"][i, len(g):] == 0).all() and (got["det_boxes"][i, len(g):] == 0).all()
 
 
+@pytest.mark.slow
 def test_end2end_onnx_qat_equals_plain_graph_plus_nms(qat_model, qat_plain_cli, work, images):
     """INT8 End2End (--nms onnx, dynamic, simplified): the detections of the plain INT8 graph (the reference
     command's export) + upstream NMS, at two image sizes."""
@@ -356,6 +358,7 @@ def test_end2end_trt_reference_command(yolov9_tree, qat_ckpt, work):
     assert "QuantizeLinear" in {n.op_type for n in m.graph.node}
 
 
+@pytest.mark.slow
 def test_end2end_trt_options_and_segmentation_graph(yolov9_tree, work):
     """--class-agnostic / thresholds reach the plugin; segmentation uses EfficientNMSX_TRT + ROIAlign_TRT and the
     --nms onnx segmentation graph runs in ONNX Runtime (tiny random model with an upstream Segment head)."""
@@ -601,6 +604,7 @@ def test_simplify_failure_keeps_unsimplified(yolov9_tree, work, monkeypatch, cap
     assert not _no_partial_files(weights.parent)
 
 
+@pytest.mark.slow
 def test_check_findings_fail_after_writing(qat_ckpt, work, monkeypatch, capsys):
     """--check (default for quantized checkpoints): lint findings are printed, the file is kept, exit non-zero."""
     import export_qat

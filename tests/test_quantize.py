@@ -171,6 +171,7 @@ def test_checkpoint_kind_errors(yolov9_tree, gelan_c, gelan_c_q, tmp_path):
         checkpoint.read(tmp_path / "missing.pt")
 
 
+@pytest.mark.slow
 def test_skip_layers_leave_no_qdq(gelan_c_fp, calib_images, tmp_path):
     import onnx
 
@@ -195,6 +196,7 @@ def test_skip_layers_leave_no_qdq(gelan_c_fp, calib_images, tmp_path):
     assert report["total"] == 0, report["findings"]
 
 
+@pytest.mark.slow
 def test_onnx_scales_shared_and_ort_matches(gelan_c_q, val_images, tmp_path):
     import onnx
     import onnxruntime as ort
@@ -251,6 +253,7 @@ MINI = {"nc": 2, "depth_multiple": 1.0, "width_multiple": 1.0, "anchors": 3,
         "head": [[[2], 1, "DDetect", ["nc"]]]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["max", "percentile", "mse", "entropy"])
 def test_calibration_methods(yolov9_tree, shared, method):
     from models.quantize import calibrate, prepare
@@ -307,6 +310,7 @@ ACTIVATIONS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("act", list(ACTIVATIONS))
 def test_activation_variants_quantize_and_export(yolov9_tree, shared, act, tmp_path):
     import onnxruntime as ort
@@ -335,6 +339,7 @@ def test_activation_variants_quantize_and_export(yolov9_tree, shared, act, tmp_p
 SIZES = ["gelan-t", "gelan-s", "gelan-m", "gelan-c", "gelan-e", "yolov9-c", "yolov9-e"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg", SIZES)
 def test_lint_clean_on_every_size(yolov9_tree, shared, cfg, tmp_path):
     """Zero TensorRT fusion blockers in the toolkit's own exports, dual heads included."""
@@ -395,6 +400,7 @@ def test_mse_amax_on_a_grown_histogram(yolov9_tree):
 SEG_CFGS = ["gelan-c-seg", "gelan-c-dseg", "yolov9-c-dseg"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg", SEG_CFGS)
 def test_lint_clean_on_segmentation_models(yolov9_tree, shared, cfg, tmp_path):
     """Segmentation heads (Segment's Proto branch with its Upsample, DualDSegment's two proto convs) get
