@@ -3,7 +3,7 @@
 #   YOLOv9 tree -> patch -> shapes dataset -> PTQ calibration + short QAT -> Origin/PTQ/QAT evaluation
 #   -> Q/DQ ONNX export + lint -> ONNX Runtime evaluation of the INT8 ONNX -> comparison table.
 #
-#   ./scripts/quickstart.sh [WORK_DIR]        (default: ./quickstart)
+#   ./scripts/quickstart.sh [WORK_DIR]        (default: ${TMPDIR:-/tmp}/yolov9-qat-quickstart, outside the checkout)
 #
 # The YOLOv9 tree comes from $YOLOV9_DIR, or is cloned from GitHub when the network allows.
 # Knobs (environment): QS_ITERS (QAT batches, default 24), QS_EPOCHS (1), QS_DEVICE (cpu).
@@ -16,7 +16,8 @@ for knob in QS_ITERS QS_EPOCHS; do  # checked before anything is created
         exit 2
     fi
 done
-WORK=$(mkdir -p "${1:-quickstart}" && cd "${1:-quickstart}" && pwd -P)
+WORK_ARG=${1:-${TMPDIR:-/tmp}/yolov9-qat-quickstart}
+WORK=$(mkdir -p "$WORK_ARG" && cd "$WORK_ARG" && pwd -P)
 ITERS=${QS_ITERS:-24}
 EPOCHS=${QS_EPOCHS:-1}
 DEVICE=${QS_DEVICE:-cpu}

@@ -6,6 +6,7 @@ model come from ``YOLOV9_QAT_SHARED`` (default: ``../shared`` beside the reposit
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -44,6 +45,11 @@ def pytest_configure(config):
     resolves inside the patched tree (never the repository's own ``utils/``, which lacks upstream's)."""
     global _TREE
     import tempfile
+    # setuptools now, as every CLI process imports it (torch.utils.cpp_extension does): setuptools' distutils
+    # hack stands aside for good once something looks pip up (tests/test_installer.py does), and a first
+    # `import setuptools` after that fails its own check, in whichever in-process CLI test comes next.
+    with contextlib.suppress(ImportError):
+        import setuptools  # noqa: F401
     root = Path(tempfile.mkdtemp(prefix="yolov9-qat-tests-"))
     config.add_cleanup(lambda: shutil.rmtree(root, ignore_errors=True))
     src = _source_tree(root)
@@ -136,3 +142,44 @@ def run_tool(tree: Path, *args: str, timeout: int = 900, env: dict | None = None
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run([sys.executable, *args], cwd=tree, capture_output=True, text=True, timeout=timeout,
                           env=full_env)
+
+
+# The module of each CLI, where it is not the script's name without .py.
+CLI_MODULES = {"segment/qat_seg.py": "segment.qat_seg", "scripts/benchmark_trt.py": "benchmark_trt",
+               "trtexec": "utils.qat.trtexec"}
+
+
+def cli_module(tree: Path, tool: str):
+    """The module of a CLI of the patched tree (scripts/benchmark_trt.py imported from the tree's scripts/)."""
+    import importlib
+    name = CLI_MODULES.get(tool, tool.removesuffix(".py"))
+    if name == "benchmark_trt" and str(tree / "scripts") not in sys.path:
+        sys.path.append(str(tree / "scripts"))
+    return importlib.import_module(name)
+
+
+def run_main(tree: Path, tool: str, *args: str, cwd: Path | None = None):
+    """Run a CLI in this process: ``main(get_args_parser().parse_args(args))`` from the top of the tree, as
+    ``run_tool`` runs it but without starting Python again. For the error paths: the QATError it raises is what
+    ``run_cli`` prints as ``error: ...`` with exit status 2 (tests/test_validate.py runs that contract itself).
+    ``cwd``: the folder it runs in instead of the tree."""
+    import importlib
+    module = cli_module(tree, tool)
+    main = importlib.import_module("qat").main if tool == "segment/qat_seg.py" else module.main
+    args_ = module.get_args_parser().parse_args(list(args))
+    here = os.getcwd()
+    os.chdir(cwd or tree)
+    try:
+        return main(args_)
+    finally:
+        os.chdir(here)
+
+
+def cli_error(tree: Path, tool: str, *args: str, cwd: Path | None = None) -> str:
+    """The one sentence a CLI fails with (``run_main``; ``run_cli`` prints it as ``error: <sentence>``)."""
+    from utils.qat.errors import QATError
+    with pytest.raises(QATError) as e:
+        run_main(tree, tool, *args, cwd=cwd)
+    message = str(e.value)
+    assert message and "\n" not in message, message
+    return message

@@ -88,6 +88,7 @@ def test_commands_per_tensorrt_version(tmp_path):
     assert commands(onnx_path, work, outputs=["output0"])[1] is None  # no TensorRT version: reference only
 
 
+@pytest.mark.slow
 def test_dry_run_and_clear_refusals(tmp_path, graphs, shapes):
     images = shapes.parent / "images" / "val"
     r = _compare(str(graphs["fp32"]), "--images", str(images), "--imgsz", "256", "--batch", "2", "--dry-run",

@@ -50,6 +50,8 @@ def bench(yolov9_tree, shapes, tmp_path_factory):
     return out, r
 
 
+@pytest.mark.slow
+@pytest.mark.ddp
 def test_two_processes_write_one_run(bench):
     out, _ = bench
     assert sorted(p.name for p in (out / "runs").iterdir()) == ["1proc", "2proc"]  # rank 1 made no folder of its own
@@ -63,6 +65,8 @@ def test_two_processes_write_one_run(bench):
     assert json.loads((out / "runs" / "1proc" / "report.json").read_text())["world_size"] == 1
 
 
+@pytest.mark.slow
+@pytest.mark.ddp
 def test_max_calibration_equals_one_process(bench):
     """Same global batches: the 2-process PTQ checkpoint holds exactly the amax of the one-process one, and
     both ranks held the same quantizers."""
@@ -74,6 +78,8 @@ def test_max_calibration_equals_one_process(bench):
     assert ranks[0] == ranks[1]
 
 
+@pytest.mark.slow
+@pytest.mark.ddp
 def test_benchmark_report(bench):
     out, r = bench
     result = json.loads((out / "ddp.json").read_text())
@@ -194,6 +200,8 @@ def library_runs(yolov9_tree, tmp_path_factory):
     return one, ranks
 
 
+@pytest.mark.slow
+@pytest.mark.ddp
 def test_calibration_in_process_group(library_runs):
     """Each rank calibrates on half of every batch. max: exactly the one-process amax. mse: within one
     histogram bin (bins are 1/2048 of the first batch's largest |x| and mse picks amax at bin 128 or above,
@@ -210,6 +218,8 @@ def test_calibration_in_process_group(library_runs):
     assert (a == b).float().mean() > 0.95
 
 
+@pytest.mark.slow
+@pytest.mark.ddp
 def test_finetune_in_process_group(library_runs):
     """DDP on 2 x half of every batch = one process on the whole batch: after 2 epochs x 3 steps the weights
     agree to float noise (Adam amplifies it: measured 1.1e-6, 1% of one step of lr 1e-4; wrong halves or
@@ -308,6 +318,8 @@ def test_errors_before_any_process_starts(yolov9_tree, shapes, tmp_path, monkeyp
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
+@pytest.mark.ddp
 def test_error_of_every_rank_printed_once(yolov9_tree, shapes, tmp_path):
     """Every rank stops at the same check; rank 0 prints, torchrun ends rank 1 during its grace wait."""
     r = run_tool(yolov9_tree, *TORCHRUN, *_quantize_args(shapes, tmp_path, "a", "--batch-size", "7"), timeout=TIMEOUT)
@@ -317,6 +329,8 @@ def test_error_of_every_rank_printed_once(yolov9_tree, shapes, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
+@pytest.mark.ddp
 def test_rank0_failure_ends_the_run(yolov9_tree, shapes, tmp_path):
     """Rank 0 alone fails (it alone creates the run folder) while rank 1 goes on calibrating: one sentence,
     non-zero exit, no hang (torchrun ends rank 1)."""

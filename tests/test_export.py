@@ -15,7 +15,7 @@ import onnx
 import pytest
 import torch
 
-from conftest import run_tool
+from conftest import cli_error, run_tool
 from helpers import TINY_GELAN, build, real_images
 
 ort = pytest.importorskip("onnxruntime")
@@ -160,6 +160,8 @@ def test_fp_dynamic_export_runs_at_two_sizes(fp_model, fp_dynamic, images):
         assert np.abs(got - ref).max() < 2e-3, x.shape
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_qat_reference_command_plain(qat_plain_cli, qat_model, images):
     """export_qat.py --include onnx --dynamic --simplify --inplace (the reference README's command)."""
     r, out = qat_plain_cli
@@ -201,6 +203,7 @@ def test_qat_reference_command_plain(qat_plain_cli, qat_model, images):
         assert np.median(np.abs(got - ref)[:, :4].transpose(0, 2, 1)[confident]) < 1.0
 
 
+@pytest.mark.slow
 def test_half_fp_and_qat(fp_model, qat_model, work, images):
     """--half is NVIDIA ModelOpt AutoCast: I/O stay FP32, FP initializers become FP16; on the Q/DQ graph the opset
     is 19 with FP16 scales and every quantized Conv reads its input and weight straight from a DequantizeLinear (no
@@ -303,6 +306,7 @@ def test_end2end_onnx_fp_equals_upstream_nms(fp_model, work, images, agnostic):
         assert (got["det_scores"][i, len(g):] == 0).all() and (got["det_boxes"][i, len(g):] == 0).all()
 
 
+@pytest.mark.slow
 def test_end2end_onnx_qat_equals_plain_graph_plus_nms(qat_model, qat_plain_cli, work, images):
     """INT8 End2End (--nms onnx, dynamic, simplified): the detections of the plain INT8 graph (the reference
     command's export) + upstream NMS, at two image sizes."""
@@ -321,6 +325,8 @@ def test_end2end_onnx_qat_equals_plain_graph_plus_nms(qat_model, qat_plain_cli, 
             assert len(g) == len(r) > 0 and np.abs(g - r).max() < 1e-3
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_end2end_trt_reference_command(yolov9_tree, qat_ckpt, work):
     """export_qat.py --include onnx_end2end --nms trt (the reference README's graph): an EfficientNMS_TRT plugin
     node, with a notice that the plugin is deprecated since TensorRT 10.12 (the default is --nms onnx)."""
@@ -352,6 +358,7 @@ def test_end2end_trt_reference_command(yolov9_tree, qat_ckpt, work):
     assert "QuantizeLinear" in {n.op_type for n in m.graph.node}
 
 
+@pytest.mark.slow
 def test_end2end_trt_options_and_segmentation_graph(yolov9_tree, work):
     """--class-agnostic / thresholds reach the plugin; segmentation uses EfficientNMSX_TRT + ROIAlign_TRT and the
     --nms onnx segmentation graph runs in ONNX Runtime (tiny random model with an upstream Segment head)."""
@@ -404,6 +411,8 @@ def _deepstream_expected(pred: np.ndarray) -> np.ndarray:
                            scores.argmax(-1)[..., None].astype(np.float32)], -1)
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_deepstream_qat_export(yolov9_tree, qat_ckpt, qat_model, images):
     """export_yoloV9.py --size N --dynamic --simplify on a QAT checkpoint."""
     r = run_tool(yolov9_tree, "export_yoloV9.py", "--weights", str(qat_ckpt), "--size", str(IMGSZ), "--dynamic",
@@ -423,6 +432,8 @@ def test_deepstream_qat_export(yolov9_tree, qat_ckpt, qat_model, images):
     assert (got[..., 5][conf] == want[..., 5][conf]).mean() > 0.95
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_deepstream_fp_dual_head(yolov9_tree, work):
     """An FP checkpoint with a dual head (DualDDetect): main branch only, --batch 2 --size H W."""
     dual_cfg = {**TINY_GELAN, "head": TINY_GELAN["head"][:-1] + [[[15, 18, 21, 15, 18, 21], 1, "DualDDetect", ["nc"]]]}
@@ -467,6 +478,8 @@ def _evaluate(model, data):
                     workers=0)
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_val_trt_fp_onnx_equals_pytorch(yolov9_tree, fp_model, fp_dynamic, work, small_data):
     got = _val(yolov9_tree, fp_dynamic, small_data, work / "runs", "fp")
     want = _evaluate(fp_model, small_data)
@@ -476,6 +489,8 @@ def test_val_trt_fp_onnx_equals_pytorch(yolov9_tree, fp_model, fp_dynamic, work,
     assert abs(got["AP"] - want.mAP50_95) < 1e-3 and abs(got["AP50"] - want.mAP50) < 1e-3
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_val_trt_end2end_equals_plain(yolov9_tree, fp_model, fp_dynamic, work, small_data):
     """An End2End graph (--nms onnx) with the evaluation thresholds scores like the plain graph + upstream NMS."""
     from utils.qat.onnx_export import export_onnx
@@ -492,6 +507,8 @@ def test_val_trt_end2end_equals_plain(yolov9_tree, fp_model, fp_dynamic, work, s
     assert abs(got["AP"] - plain["AP"]) < 1e-3 and abs(got["AP50"] - plain["AP50"]) < 1e-3
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_val_trt_int8_onnx_close_to_fake_quant(yolov9_tree, qat_model, qat_plain_cli, work, small_data):
     _, out = qat_plain_cli
     got = _val(yolov9_tree, out, small_data, work / "runs", "int8")
@@ -505,22 +522,15 @@ def test_val_trt_int8_onnx_close_to_fake_quant(yolov9_tree, qat_model, qat_plain
 # errors: one sentence, non-zero exit, nothing half-written
 # ---------------------------------------------------------------------------------------------
 
-def _error(r) -> str:
-    assert r.returncode != 0, r.stdout
-    lines = [line for line in r.stderr.strip().splitlines() if line.startswith("error:")]
-    assert lines and "Traceback" not in r.stderr, r.stderr
-    return lines[-1]
-
-
 def test_cli_errors(yolov9_tree, work):
-    """The CLIs as users run them: one 'error: ...' sentence, exit status 2."""
+    """The CLIs' own checks: one sentence (run_cli prints it as 'error: ...', exit status 2; argparse's choices:
+    tests/test_validate.py)."""
     bad = work / "errors"
     bad.mkdir()
-    assert "not found" in _error(run_tool(yolov9_tree, "export_qat.py", "--weights", str(bad / "nope.pt")))
-    r = run_tool(yolov9_tree, "export_qat.py", "--weights", str(bad / "nope.pt"), "--include", "tflite")
-    assert r.returncode == 2 and "invalid choice: 'tflite'" in r.stderr
-    r = run_tool(yolov9_tree, "export_yoloV9.py", "--weights", str(work / "gelan-c.pt"), "--batch", "4", "--dynamic")
-    assert r.returncode == 2 and "--dynamic" in _error(r) and "--batch" in _error(r)
+    assert "not found" in cli_error(yolov9_tree, "export_qat.py", "--weights", str(bad / "nope.pt"))
+    error = cli_error(yolov9_tree, "export_yoloV9.py", "--weights", str(work / "gelan-c.pt"), "--batch", "4",
+                      "--dynamic")
+    assert "--dynamic" in error and "--batch" in error
     assert not list(bad.iterdir())
 
 
@@ -594,6 +604,7 @@ def test_simplify_failure_keeps_unsimplified(yolov9_tree, work, monkeypatch, cap
     assert not _no_partial_files(weights.parent)
 
 
+@pytest.mark.slow
 def test_check_findings_fail_after_writing(qat_ckpt, work, monkeypatch, capsys):
     """--check (default for quantized checkpoints): lint findings are printed, the file is kept, exit non-zero."""
     import export_qat

@@ -119,6 +119,8 @@ def sigkilled(yolov9_tree, shapes, tmp_path_factory):
     return _interrupted_runs(yolov9_tree, shapes, tmp_path_factory.mktemp("sigkill"), signal.SIGKILL)
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.parametrize("stage", STAGES)
 def test_sigkill_leaves_complete_consistent_files(sigkilled, stage):
     run, rc, _err = sigkilled[stage]
@@ -128,6 +130,8 @@ def test_sigkill_leaves_complete_consistent_files(sigkilled, stage):
     assert not report["epochs"]
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_ctrl_c_one_line_saying_what_was_saved(yolov9_tree, shapes, tmp_path):
     saved = {"calibration": "report.json, report.md", "checkpoint": "report.json, report.md",
              "finetune": "report.json, report.md, weights/ptq_ap_"}
@@ -141,6 +145,8 @@ def test_ctrl_c_one_line_saying_what_was_saved(yolov9_tree, shapes, tmp_path):
         check_run_folder(run)
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_rerun_with_exist_ok_after_sigkill(yolov9_tree, shapes, sigkilled):
     run, _, _ = sigkilled["finetune"]
     r = subprocess.run(_command(shapes, run.parent, run.name), cwd=yolov9_tree, capture_output=True, text=True,
@@ -163,6 +169,8 @@ def _tmpfs_shell() -> list[str] | None:
     return probe[:-1] if ok else None
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_disk_full(yolov9_tree, shapes, tmp_path):
     """A 2 MB tmpfs as --project (the PTQ checkpoint, 6.5 MB, does not fit), then the same command with
     --exist-ok once the disk has room. Where no tmpfs can be mounted, the checkpoint's write fails with ENOSPC at

@@ -124,6 +124,7 @@ def test_head_distillation_zero_at_teacher_and_background_light(qs):
     assert costs[0] > 100 * costs[1] > 0
 
 
+@pytest.mark.slow
 def test_every_objective_trains_and_reports_its_terms(qs, qs_calibrated, images):
     from models.qat_objectives import OBJECTIVES
     from models.quantize import fuse
@@ -143,6 +144,7 @@ def test_every_objective_trains_and_reports_its_terms(qs, qs_calibrated, images)
         finetune(copy.deepcopy(qmodel), teacher, lambda: [images[:2]], QATConfig(epochs=1, iters=1, objective="task"))
 
 
+@pytest.mark.slow
 def test_iters_are_steps_and_a_short_set_is_read_again(qs, qs_calibrated, images, capsys):
     from models.quantize import fuse
     from models.quantize_finetune import QATConfig, finetune
@@ -159,6 +161,7 @@ def test_iters_are_steps_and_a_short_set_is_read_again(qs, qs_calibrated, images
     assert "gives 2 batches an epoch; reading it again to make 5 steps" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_ema_is_the_model_evaluated_and_returned(qs, qs_calibrated, images):
     """With ``ema``, on_epoch_end sees the averaged weights, and fine-tuning returns the model holding them;
     the averaged weights lie between the start and the last trained weights."""
@@ -207,6 +210,7 @@ def test_learned_amax_gradient_is_lsq(yolov9_tree):
     assert amax_c.grad[:, 0].tolist() == pytest.approx([(residual[0] + 127) / 127, (residual[1] - 128) / 127], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_learned_amax_moves_keeps_groups_shared_and_saves_as_buffers(qs, qs_calibrated, images, tmp_path):
     """--amax-lr: activation amax are trained; the quantizers of a shared-scale group end on one value; the
     model handed back (and every checkpoint) holds plain ``_amax`` buffers, and restores from a checkpoint."""

@@ -311,7 +311,7 @@ def test_dev_adds_the_test_tools_and_the_stubs_without_their_dependencies(tmp_pa
     assert files == [str(REPO / "requirements.txt"), str(REPO / "requirements-dev.txt")]  # resolved together
     assert stubs[-2:] == ["--no-deps", "tensorrt-stubs"] and "-c" in stubs
     dev = (REPO / "requirements-dev.txt").read_text().split()
-    assert "pytest" in dev and "mypy" in dev
+    assert "pytest" in dev and "mypy" in dev and "ruff" in dev
 
 
 def _readme_test_lines() -> list[str]:

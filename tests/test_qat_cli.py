@@ -7,7 +7,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import REPO, run_tool
+from conftest import REPO, cli_error, run_tool
 
 QS = REPO / "weights" / "gelan-qs-shapes.pt"
 IMGSZ = "128"
@@ -25,6 +25,8 @@ def quantize_run(yolov9_tree, shapes, tmp_path_factory):
     return project / "qs", r
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_quantize_writes_every_file(quantize_run):
     run, r = quantize_run
     weights = sorted(p.name for p in (run / "weights").iterdir())
@@ -37,6 +39,8 @@ def test_quantize_writes_every_file(quantize_run):
     assert (run / "qat_ap.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_quantize_report(quantize_run):
     run, r = quantize_run
     report = json.loads((run / "report.json").read_text())
@@ -55,6 +59,8 @@ def test_quantize_report(quantize_run):
     assert "INT8 QAT vs Origin" in r.stdout  # the console shows the same table
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_eval_reproduces_report(yolov9_tree, shapes, quantize_run, tmp_path):
     run, _ = quantize_run
     report = json.loads((run / "report.json").read_text())
@@ -67,17 +73,21 @@ def test_eval_reproduces_report(yolov9_tree, shapes, quantize_run, tmp_path):
     assert result["AP"] == qat["AP"] and result["AP50"] == qat["AP50"]
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_eval_fp_needs_allow_fp(yolov9_tree, shapes, tmp_path):
     args = ["qat.py", "eval", "--weights", str(QS), "--data", str(shapes), "--device", "cpu", "--imgsz", IMGSZ,
             "--project", str(tmp_path), "--workers", "2"]
-    r = run_tool(yolov9_tree, *args)
-    assert r.returncode == 2 and "floating-point checkpoint" in r.stderr and "--allow-fp" in r.stderr
+    error = cli_error(yolov9_tree, *args)
+    assert "floating-point checkpoint" in error and "--allow-fp" in error
     assert not (tmp_path / "exp").exists()
     r = run_tool(yolov9_tree, *args, "--allow-fp", "--num-image", "8")
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads((tmp_path / "exp" / "results.json").read_text())["images"] == 8
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_sensitive(yolov9_tree, shapes, tmp_path):
     r = run_tool(yolov9_tree, "qat.py", "sensitive", "--weights", str(QS), "--data", str(shapes),
                  "--hyp", "data/hyps/hyp.scratch-high.yaml", "--device", "cpu", "--imgsz", IMGSZ,
@@ -96,6 +106,8 @@ def test_sensitive(yolov9_tree, shapes, tmp_path):
     assert all(s.isdigit() for s in skip.split(",") if s)
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_ptq_only_and_no_eval_flags(yolov9_tree, shapes, tmp_path):
     r = run_tool(yolov9_tree, "qat.py", "quantize", "--weights", str(QS), "--data", str(shapes), "--device", "cpu",
                  "--imgsz", IMGSZ, "--batch-size", "8", "--calib-batches", "1", "--calib-method", "max",
@@ -110,14 +122,11 @@ def test_ptq_only_and_no_eval_flags(yolov9_tree, shapes, tmp_path):
 
 
 def _error(tree, tmp_path, *args) -> str:
-    r = run_tool(tree, "qat.py", *args, "--device", "cpu", "--imgsz", IMGSZ, "--project", str(tmp_path),
-                 "--workers", "2")
-    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
-    lines = [l for l in r.stderr.strip().splitlines() if l.startswith("error: ")]
-    assert len(lines) == 1, r.stderr[-2000:]
-    return lines[0]
+    return cli_error(tree, "qat.py", *args, "--device", "cpu", "--imgsz", IMGSZ, "--project", str(tmp_path),
+                     "--workers", "2")
 
 
+@pytest.mark.slow
 def test_errors(yolov9_tree, shapes, quantize_run, tmp_path):
     run, _ = quantize_run
     qbest = str(run / "weights" / "qat_best_gelan-qs-shapes.pt")
@@ -140,11 +149,13 @@ def test_errors(yolov9_tree, shapes, quantize_run, tmp_path):
     bad.write_text(yaml.safe_dump({**cfg, "path": str(tmp_path / "empty"), "val": "images"}))
     assert "holds no images" in _error(yolov9_tree, tmp_path, "eval", "--weights", qbest, "--data", str(bad))
     if not torch.cuda.is_available():
-        r = run_tool(yolov9_tree, "qat.py", "eval", "--weights", qbest, "--data", data, "--device", "cuda:0")
-        assert r.returncode == 2 and "no CUDA GPU" not in r.stderr and "none is available" in r.stderr
+        error = cli_error(yolov9_tree, "qat.py", "eval", "--weights", qbest, "--data", data, "--device", "cuda:0",
+                          "--project", str(tmp_path))
+        assert "no CUDA GPU" not in error and "none is available" in error
     assert not list(tmp_path.glob("exp*")), "a failed command must not leave a run folder behind"
 
 
+@pytest.mark.slow
 def test_wrong_task_named(yolov9_tree, shapes, tmp_path):
     from models.yolo import SegmentationModel
     seg = SegmentationModel(cfg=str(yolov9_tree / "models" / "segment" / "gelan-c-seg.yaml"), ch=3, nc=6)
@@ -153,6 +164,8 @@ def test_wrong_task_named(yolov9_tree, shapes, tmp_path):
     assert "segment model" in msg and "segment/qat_seg.py" in msg
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_imgsz_rounded_and_run_dir_incremented(yolov9_tree, shapes, tmp_path):
     args = ["qat.py", "eval", "--weights", str(QS), "--allow-fp", "--data", str(shapes), "--device", "cpu",
             "--imgsz", "100", "--num-image", "4", "--project", str(tmp_path), "--name", "e", "--workers", "2"]

@@ -5,9 +5,13 @@ import json
 import os
 import subprocess
 
+import pytest
+
 from conftest import REPO
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_quickstart_end_to_end(tmp_path):
     work = tmp_path / "qs"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "YOLOV9_QAT_QUIET": "1"}
@@ -32,3 +36,15 @@ def test_quickstart_end_to_end(tmp_path):
     assert rows["QAT"]["AP"] > rows["PTQ"]["AP"] and rows["QAT"]["epoch"] == 1  # fine-tuning beat calibration
     assert "INT8 ONNX Runtime" in (run / "report.md").read_text()
     assert "Next, on your own model" in r.stdout
+
+
+def test_quickstart_default_folder_outside_the_checkout(tmp_path):
+    """Without a folder argument the work goes to $TMPDIR/yolov9-qat-quickstart, never into the repository (stopped
+    at its first step here by a YOLOV9_DIR that is not a tree)."""
+    env = {**os.environ, "TMPDIR": str(tmp_path), "YOLOV9_DIR": str(tmp_path / "not-a-tree")}
+    before = set(REPO.iterdir())
+    r = subprocess.run(["bash", str(REPO / "scripts" / "quickstart.sh")], capture_output=True, text=True, env=env,
+                       cwd=REPO, timeout=60)
+    assert r.returncode == 1 and "is not a YOLOv9 tree" in r.stderr, r.stderr
+    assert (tmp_path / "yolov9-qat-quickstart").is_dir()
+    assert set(REPO.iterdir()) == before

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, run_tool
+from conftest import REPO, cli_error, run_main, run_tool
 
 SEG = REPO / "weights" / "gelan-qs-seg-shapes.pt"
 DET = REPO / "weights" / "gelan-qs-shapes.pt"
@@ -117,6 +117,7 @@ def test_match_equals_upstream_process_batch():
         assert torch.equal(ours, process_batch(dets, labels, iouv))
 
 
+@pytest.mark.slow
 def test_evaluator_equals_upstream_segment_val(yolov9_tree, seg_shapes):
     """Box and mask P, R, mAP50, mAP50-95 equal upstream segment/val.py's on the same model and data."""
     if not (yolov9_tree / "segment" / "val.py").is_file():
@@ -162,6 +163,8 @@ def seg_run(yolov9_tree, seg_shapes, tmp_path_factory):
     return project / "s", r
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_qat_seg_report(seg_run):
     run, r = seg_run
     report = json.loads((run / "report.json").read_text())
@@ -184,6 +187,8 @@ def test_qat_seg_report(seg_run):
     assert (run / "qat_ap.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_qat_seg_eval_reproduces_report(yolov9_tree, seg_shapes, seg_run, tmp_path):
     run, _ = seg_run
     qat = json.loads((run / "report.json").read_text())["models"][2]
@@ -196,6 +201,8 @@ def test_qat_seg_eval_reproduces_report(yolov9_tree, seg_shapes, seg_run, tmp_pa
     assert set(result["per_class"]) == set(result["box_per_class"]) == set(gen.NAMES)
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_qat_seg_eval_save_json(yolov9_tree, seg_shapes, tmp_path):
     """--save-json writes COCO records with RLE masks that decode to the image size and sit in their box."""
     mask_api = pytest.importorskip("pycocotools.mask")
@@ -214,6 +221,8 @@ def test_qat_seg_eval_save_json(yolov9_tree, seg_shapes, tmp_path):
         assert xs.min() >= x - 2 and xs.max() <= x + w + 2 and ys.min() >= y - 2 and ys.max() <= y + h + 2
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_qat_seg_export_and_onnxruntime(yolov9_tree, seg_shapes, seg_run, tmp_path):
     """The quantized segmentation model exports with a clean lint; ONNX Runtime's box and mask mAP stay near
     the fake-quant numbers (INT8 rounding ties differ between the two, see README), and the End2End graph
@@ -251,6 +260,8 @@ def test_qat_seg_export_and_onnxruntime(yolov9_tree, seg_shapes, seg_run, tmp_pa
     assert "INT8 ORT plain" in md and "INT8 ORT e2e" in md
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_qat_seg_sensitive(yolov9_tree, seg_shapes, tmp_path):
     r = run_tool(yolov9_tree, "segment/qat_seg.py", "sensitive", "--weights", str(SEG), "--data", str(seg_shapes),
                  "--device", "cpu", "--imgsz", IMGSZ, "--batch-size", "8", "--num-image", "4", "--calib-batches", "1",
@@ -267,11 +278,8 @@ def test_qat_seg_sensitive(yolov9_tree, seg_shapes, tmp_path):
 # ---- errors -------------------------------------------------------------------------------------------
 
 def _error(tree, tmp_path, script, *args) -> str:
-    r = run_tool(tree, script, *args, "--device", "cpu", "--imgsz", IMGSZ, "--project", str(tmp_path), "--workers", "2")
-    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
-    lines = [l for l in r.stderr.strip().splitlines() if l.startswith("error: ")]
-    assert len(lines) == 1, r.stderr[-2000:]
-    return lines[0]
+    return cli_error(tree, script, *args, "--device", "cpu", "--imgsz", IMGSZ, "--project", str(tmp_path),
+                     "--workers", "2")
 
 
 def test_seg_errors(yolov9_tree, seg_shapes, box_shapes, tmp_path):
@@ -288,10 +296,9 @@ def test_seg_errors(yolov9_tree, seg_shapes, box_shapes, tmp_path):
 def test_val_trt_segment_on_detection_graph(yolov9_tree, seg_shapes, tmp_path):
     shutil.copyfile(DET, tmp_path / "det.pt")
     onnx_path = tmp_path / "det.onnx"
-    r = run_tool(yolov9_tree, "export_qat.py", "--weights", str(tmp_path / "det.pt"), "--include", "onnx",
-                 "--imgsz", "128")
-    assert r.returncode == 0 and onnx_path.is_file(), r.stderr[-2000:]
-    r = run_tool(yolov9_tree, "val_trt.py", "--onnx", str(onnx_path), "--data", str(seg_shapes), "--task", "segment",
-                 "--project", str(tmp_path))
-    assert r.returncode == 2 and "is a detection model" in r.stderr and "--task detect" in r.stderr
+    run_main(yolov9_tree, "export_qat.py", "--weights", str(tmp_path / "det.pt"), "--include", "onnx", "--imgsz", "128")
+    assert onnx_path.is_file()
+    error = cli_error(yolov9_tree, "val_trt.py", "--onnx", str(onnx_path), "--data", str(seg_shapes), "--task",
+                      "segment", "--project", str(tmp_path))
+    assert "is a detection model" in error and "--task detect" in error
     assert not (tmp_path / "exp").exists()

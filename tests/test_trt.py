@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `python3 -m pytest` from the repository root has it already
     sys.path.append(str(REPO))
 
-from fake_tensorrt import (STD_PLUGINS, VERSIONED_API, FakeMisuse, available, make_fake_trt, vt)
+from fake_tensorrt import (STD_PLUGINS, VERSIONED_API, FakeMisuse, available, make_fake_trt, vt)  # noqa: E402
 from utils.qat import engine_graph, trt_engine  # noqa: E402
 from utils.qat.errors import QATError  # noqa: E402
 

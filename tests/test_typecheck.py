@@ -1,4 +1,5 @@
-"""Type check of the TensorRT-facing modules (mypy.ini) against ``tensorrt-stubs``, and proof the stubs are used.
+"""Type check of the TensorRT-facing modules (mypy.ini) against ``tensorrt-stubs``, and proof the stubs are used;
+the lint of every Python file (ruff, ``[tool.ruff]`` in pyproject.toml).
 
 tensorrt-stubs 10.13 installs ``tensorrt/__init__.pyi`` without a ``py.typed`` marker (mypy would skip
 it and treat tensorrt as untyped) and ``tensorrt_bindings/tensorrt.pyi`` has a few lines that are not
@@ -120,6 +121,23 @@ def test_mypy_passes_against_tensorrt_stubs(tmp_path):
     assert any('"set_tensor_address" of "IExecutionContext" has incompatible type "float"' in e for e in errors), out
     assert any('"int" not callable' in e for e in errors), out
     assert any('"create_network" of "Builder" has incompatible type "str"' in e for e in errors), out
+
+
+def test_ruff_finds_nothing():
+    """``ruff check`` from the top of the repository: unused imports and variables, undefined names, and the
+    pycodestyle checks pyproject.toml selects. Fix what it names (or, for a deliberate case, ``# noqa: F401``
+    with the reason on the line)."""
+    if importlib.util.find_spec("ruff") is None:
+        pytest.skip("ruff is not installed (./install_dependencies.sh --dev installs it)")
+    ruff = [sys.executable, "-m", "ruff", "check", "--no-cache", "--output-format", "concise"]
+    r = subprocess.run([*ruff, "."], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+    # the configuration is the one read, and it catches what it is there for
+    unused = "import os\n\n\ndef f():\n    x = 1\n"
+    r = subprocess.run([*ruff, "--stdin-filename", "tests/unused.py", "-"], cwd=REPO, input=unused,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "F401" in r.stdout and "F841" in r.stdout, r.stdout + r.stderr
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, run_tool
+from conftest import REPO, cli_error, run_tool
 
 QS = REPO / "weights" / "gelan-qs-shapes.pt"
 TOOLS = {"qat.py": "qat", "segment/qat_seg.py": "segment.qat_seg", "export_qat.py": "export_qat",
@@ -112,6 +112,8 @@ def reference_tree(yolov9_tree, tmp_path_factory):
     return tree
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_reference_users_eval_without_data(reference_tree):
     """The execution record's command, exactly: no --data, no --device, every other default."""
     r = run_tool(reference_tree, "qat.py", "eval", "--weights",
@@ -122,15 +124,13 @@ def test_reference_users_eval_without_data(reference_tree):
     assert result["images"] == 4 and result["AP"] > 0.3
 
 
-def test_default_data_without_coco_says_how_to_get_it(yolov9_tree, tmp_path):
+def test_default_data_without_coco_says_how_to_get_it(yolov9_tree, tmp_path, capsys):
     """With upstream's own data/coco.yaml and no COCO beside the tree: one sentence naming the yaml used."""
-    r = run_tool(yolov9_tree, "qat.py", "quantize", "--weights", str(QS), "--name", "yolov9_qat", "--exist-ok",
-                 "--project", str(tmp_path / "runs"), "--device", "cpu")
-    assert r.returncode == 2
-    assert "data: data/coco.yaml (--data not given: the default)" in r.stdout
-    (line,) = r.stderr.strip().splitlines()
-    assert line.startswith("error: the 'train' images of ") and "data/coco.yaml were not found at" in line, line
-    assert "download the dataset first" in line and "scripts/get_coco.sh" in line
+    error = cli_error(yolov9_tree, "qat.py", "quantize", "--weights", str(QS), "--name", "yolov9_qat", "--exist-ok",
+                      "--project", str(tmp_path / "runs"), "--device", "cpu")
+    assert "data: data/coco.yaml (--data not given: the default)" in capsys.readouterr().out
+    assert error.startswith("the 'train' images of ") and "data/coco.yaml were not found at" in error, error
+    assert "download the dataset first" in error and "scripts/get_coco.sh" in error
     assert not (tmp_path / "runs").exists()
 
 

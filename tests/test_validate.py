@@ -2,33 +2,15 @@
 value and the valid range, exit 2, no run folder. A label with a class id >= nc is refused by file and line."""
 from __future__ import annotations
 
-import importlib
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run_tool
+from conftest import REPO, cli_error, cli_module, run_tool
 
 QS = REPO / "weights" / "gelan-qs-shapes.pt"
-
-
-MODULES = {"segment/qat_seg.py": "segment.qat_seg", "scripts/benchmark_trt.py": "benchmark_trt",
-           "trtexec": "utils.qat.trtexec"}
-
-
-def _module(tree: Path, tool: str):
-    """The module of a CLI of the patched tree (scripts/benchmark_trt.py imported from the tree's scripts/)."""
-    name = MODULES.get(tool, tool.removesuffix(".py"))
-    if name == "benchmark_trt" and str(tree / "scripts") not in sys.path:
-        sys.path.append(str(tree / "scripts"))
-    return importlib.import_module(name)
-
-
-def _main(tree: Path, tool: str):
-    return importlib.import_module("qat").main if tool == "segment/qat_seg.py" else _module(tree, tool).main
 
 
 # (tool, arguments, the sentence's expected middle); every case also passes --weights/--onnx where needed.
@@ -91,20 +73,17 @@ def _args(tool: str, args: str) -> list[str]:
 
 
 @pytest.mark.parametrize("tool,args,message", OUT_OF_RANGE, ids=[f"{t} {a}" for t, a, _ in OUT_OF_RANGE])
-def test_out_of_range_named_before_any_work(yolov9_tree, monkeypatch, tmp_path, tool, args, message):
-    from utils.qat.errors import QATError
-    monkeypatch.chdir(tmp_path)  # nothing may be written here, nothing read (nope.pt does not exist)
-    parsed = _module(yolov9_tree, tool).get_args_parser().parse_args(_args(tool, args))
-    with pytest.raises(QATError) as e:
-        _main(yolov9_tree, tool)(parsed)
-    assert message in str(e.value), str(e.value)
+def test_out_of_range_named_before_any_work(yolov9_tree, tmp_path, tool, args, message):
+    # run in tmp_path: nothing may be written there, nothing read (nope.pt does not exist)
+    error = cli_error(yolov9_tree, tool, *_args(tool, args), cwd=tmp_path)
+    assert message in error, error
     assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("tool,args,flag", CHOICES, ids=[f"{t} {a}" for t, a, _ in CHOICES])
 def test_choices_named(yolov9_tree, capsys, tool, args, flag):
     with pytest.raises(SystemExit) as e:
-        _module(yolov9_tree, tool).get_args_parser().parse_args(_args(tool, args))
+        cli_module(yolov9_tree, tool).get_args_parser().parse_args(_args(tool, args))
     assert e.value.code == 2
     assert f"argument {flag}: invalid choice: '{args.split()[-1]}' (choose from" in capsys.readouterr().err
 
@@ -126,16 +105,26 @@ def _one_error(r: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
+def _quantize_args(shapes, tmp_path) -> list[str]:
+    return ["--weights", str(QS), "--data", str(shapes), "--device", "cpu", "--project", str(tmp_path / "runs"),
+            "--workers", "2", "--imgsz", "128"]
+
+
 def test_cli_exits_2_and_creates_nothing(yolov9_tree, shapes, tmp_path):
-    """The issue's cases as a user types them: exit 2, one sentence, no run folder, and --skip-layers 999
-    before the Origin evaluation."""
-    common = ["--weights", str(QS), "--data", str(shapes), "--device", "cpu", "--project", str(tmp_path / "runs"),
-              "--workers", "2", "--imgsz", "128"]
+    """The contract every CLI keeps through run_cli, as a user meets it: exit status 2, one line `error: <one
+    sentence>.` on stderr, no run folder. (The other error tests run the CLIs' main in-process: cli_error.)"""
+    common = _quantize_args(shapes, tmp_path)
     msg = _one_error(run_tool(yolov9_tree, "qat.py", "quantize", *common, "--batch-size", "0"))
     assert msg == "error: --batch-size 0 is out of range: it must be at least 1."
-    r = run_tool(yolov9_tree, "qat.py", "quantize", *common, "--skip-layers", "999")
-    assert "999 is not a layer of this model" in _one_error(r)
-    assert "Origin" not in r.stdout + r.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_skip_layers_checked_before_the_origin_evaluation(yolov9_tree, shapes, tmp_path, capsys):
+    common = _quantize_args(shapes, tmp_path)
+    assert "999 is not a layer of this model" in cli_error(yolov9_tree, "qat.py", "quantize", *common,
+                                                           "--skip-layers", "999")
+    out = capsys.readouterr()
+    assert "Origin" not in out.out + out.err
     assert not (tmp_path / "runs").exists()
 
 
@@ -165,10 +154,10 @@ def test_label_class_beyond_nc_refused_by_file_and_line(yolov9_tree, shapes, tmp
     lines = label.read_text().splitlines()
     lines[1] = "99 " + lines[1].split(None, 1)[1]
     label.write_text("\n".join(lines) + "\n")
-    r = run_tool(yolov9_tree, "qat.py", "quantize", "--weights", str(QS), "--data", str(root / "bad.yaml"),
-                 "--device", "cpu", "--project", str(tmp_path / "runs"), "--workers", "2")
-    assert _one_error(r) == (f"error: {label}:2 has class 99, but {root / 'bad.yaml'} has nc: 6 (classes 0-5); fix "
-                             f"that label, or nc and names in the yaml.")
+    error = cli_error(yolov9_tree, "qat.py", "quantize", "--weights", str(QS), "--data", str(root / "bad.yaml"),
+                      "--device", "cpu", "--project", str(tmp_path / "runs"), "--workers", "2")
+    assert error == (f"{label}:2 has class 99, but {root / 'bad.yaml'} has nc: 6 (classes 0-5); fix that label, or nc "
+                     f"and names in the yaml.")
     assert not (tmp_path / "runs").exists()
 
 
