@@ -16,13 +16,14 @@ QS = REPO / "weights" / "gelan-qs-shapes.pt"
 
 
 MODULES = {"segment/qat_seg.py": "segment.qat_seg", "scripts/benchmark_trt.py": "benchmark_trt",
-           "trtexec": "utils.qat.trtexec"}
+           "trtexec": "trtexec_cli"}
+SCRIPTS = ("benchmark_trt", "trtexec_cli")
 
 
 def _module(tree: Path, tool: str):
-    """The module of a CLI of the patched tree (scripts/benchmark_trt.py imported from the tree's scripts/)."""
+    """The module of a CLI of the patched tree (scripts/*.py imported from the tree's scripts/)."""
     name = MODULES.get(tool, tool.removesuffix(".py"))
-    if name == "benchmark_trt" and str(tree / "scripts") not in sys.path:
+    if name in SCRIPTS and str(tree / "scripts") not in sys.path:
         sys.path.append(str(tree / "scripts"))
     return importlib.import_module(name)
 
