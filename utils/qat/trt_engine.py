@@ -453,7 +453,7 @@ class TRTBackend:
         self.engine_path = Path(engine_path)
         if not self.engine_path.is_file():
             raise QATError(f"engine file {self.engine_path} not found; build it with "
-                           f"scripts/generate_trt_engine.sh ONNX ENGINE (or utils.qat.trt_engine.build_engine).")
+                           f"scripts/generate_trt_engine.sh ONNX ENGINE (or scripts/build_engine.py ONNX ENGINE).")
         self.device = self._resolve_device(device)
         require_tensorrt()
         import tensorrt as trt
