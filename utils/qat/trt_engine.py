@@ -187,11 +187,11 @@ def onnx_metadata(onnx_path: PathLike) -> dict[str, Any]:
     is_seg = MASK_OUTPUT in outputs or (not meta["end2end"] and any(rank(o) == 4 for o in model.graph.output))
     meta["task"] = art.task or ("segment" if is_seg else "detect")
     meta["plugins"] = onnx_plugins(model)
-    initializers = {i.name for i in model.graph.initializer}
-    inputs = [i for i in model.graph.input if i.name not in initializers]
+    from utils.qat.onnx_graph import graph_inputs, input_dims
+    inputs = graph_inputs(model)
     if inputs:
         meta["input_name"] = inputs[0].name
-        dims = [d.dim_value if d.HasField("dim_value") else None for d in inputs[0].type.tensor_type.shape.dim]
+        dims = input_dims(inputs[0])
         if len(dims) == 4 and dims[2] and dims[3]:
             meta["imgsz"] = [int(dims[2]), int(dims[3])]
     return meta
