@@ -87,7 +87,8 @@ def make_backend(args: argparse.Namespace):
         if args.onnx:
             raise QATError("--backend tensorrt runs engines: pass --engine-file X.engine (build one from the ONNX with "
                            "scripts/generate_trt_engine.sh), or use --backend onnxruntime for --onnx.")
-        from utils.qat.trt_engine import TRTBackend, trt_version
+        from utils.qat.trt_common import trt_version
+        from utils.qat.trt_engine import TRTBackend
         if not source.is_file():
             raise QATError(f"engine file {source} not found; build it with scripts/generate_trt_engine.sh ONNX ENGINE.")
         trt_version()  # a QATError naming the install command when TensorRT is missing

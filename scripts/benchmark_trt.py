@@ -25,8 +25,9 @@ if str(ROOT) not in sys.path:
 
 from utils.qat.bench_report import build_results, collect_logs, log_name, render_markdown, write_report  # noqa: E402
 from utils.qat.errors import QATError, run_cli  # noqa: E402
-from utils.qat.trtexec import (_onnx_input, benchmark_command, find_trtexec, parse_trtexec_output,  # noqa: E402
-                               run_trtexec, trtexec_version, version_tuple)
+from utils.qat.trt_common import read_image_input, version_tuple  # noqa: E402
+from utils.qat.trtexec import (benchmark_command, find_trtexec, parse_trtexec_output, run_trtexec,  # noqa: E402
+                               trtexec_version)
 from utils.qat.validate import check_args  # noqa: E402
 
 
@@ -59,7 +60,7 @@ def _fixed_batch(engine: Path) -> int | None:
 def _static_batch(onnx: Path) -> int | None:
     """The batch of a fully static ONNX (trtexec takes no shape flags for it), else None."""
     try:
-        _name, dims = _onnx_input(onnx)
+        _name, dims = read_image_input(onnx)
     except QATError:
         raise
     except Exception as e:  # onnx raises its own types for files that are not ONNX

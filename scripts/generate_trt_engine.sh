@@ -8,7 +8,7 @@
 # --graph also writes ENGINE.layer.json and ENGINE.profile.json (--exportLayerInfo, --exportProfile,
 # --profilingVerbosity=detailed) for `python3 -m utils.qat.engine_graph ENGINE.layer.json`.
 # Writes ENGINE atomically, ENGINE.json (TensorRT version, stride, names, imgsz, ...) and
-# ENGINE.build.log. More options: python3 -m utils.qat.trtexec build --help.
+# ENGINE.build.log. More options: python3 scripts/trtexec_cli.py build --help.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)
 
@@ -19,4 +19,4 @@ if [ "$#" -lt 2 ] || [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then
 fi
 
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-exec python3 -m utils.qat.trtexec build "$@"
+exec python3 "$ROOT/scripts/trtexec_cli.py" build "$@"

@@ -50,7 +50,7 @@ cd "$ROOT"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
 # Fail before the (long) export when TensorRT is not usable here; trtexec's version picks the export.
-trt_info=$(python3 -m utils.qat.trtexec check)
+trt_info=$(python3 "$ROOT/scripts/trtexec_cli.py" check)
 trt_version=$(printf '%s\n' "$trt_info" | sed -n 's/^trtexec version: //p')
 half_flag=()
 if [ "${trt_version%%.*}" -ge 11 ] 2>/dev/null; then

@@ -146,14 +146,15 @@ def run_tool(tree: Path, *args: str, timeout: int = 900, env: dict | None = None
 
 # The module of each CLI, where it is not the script's name without .py.
 CLI_MODULES = {"segment/qat_seg.py": "segment.qat_seg", "scripts/benchmark_trt.py": "benchmark_trt",
-               "trtexec": "utils.qat.trtexec"}
+               "trtexec": "trtexec_cli"}
+SCRIPT_MODULES = ("benchmark_trt", "trtexec_cli")  # CLIs that live in the tree's scripts/
 
 
 def cli_module(tree: Path, tool: str):
-    """The module of a CLI of the patched tree (scripts/benchmark_trt.py imported from the tree's scripts/)."""
+    """The module of a CLI of the patched tree (scripts/*.py imported from the tree's scripts/)."""
     import importlib
     name = CLI_MODULES.get(tool, tool.removesuffix(".py"))
-    if name == "benchmark_trt" and str(tree / "scripts") not in sys.path:
+    if name in SCRIPT_MODULES and str(tree / "scripts") not in sys.path:
         sys.path.append(str(tree / "scripts"))
     return importlib.import_module(name)
 

@@ -507,6 +507,30 @@ def test_val_trt_end2end_equals_plain(yolov9_tree, fp_model, fp_dynamic, work, s
     assert abs(got["AP"] - plain["AP"]) < 1e-3 and abs(got["AP50"] - plain["AP50"]) < 1e-3
 
 
+@pytest.mark.e2e
+def test_val_trt_reads_upstream_metadata(yolov9_tree, fp_model, fp_dynamic, work, small_data):
+    """Upstream YOLOv9's export.py stores ``str(v)`` per key: ``stride`` '32', ``names`` a Python dict literal
+    ("{0: 'person', ...}", not JSON). val_trt.py reads it (JSON or Python literal, never evaluated as code) and
+    scores the graph like our own export of it."""
+    import onnx
+    from utils.qat.backends import ORTBackend
+    m = onnx.load(str(fp_dynamic))
+    del m.metadata_props[:]
+    for k, v in {"stride": int(max(fp_model.stride)), "names": dict(fp_model.names)}.items():
+        p = m.metadata_props.add()
+        p.key, p.value = k, str(v)  # as upstream export.py writes them
+    assert m.metadata_props[1].value.startswith("{0: 'person', 1: 'bicycle'")
+    upstream = work / "fp-upstream-meta.onnx"
+    onnx.save(m, str(upstream))
+    backend = ORTBackend(upstream)
+    assert backend.stride == 32 and backend.names == dict(fp_model.names) and backend.task == "detect"
+    got = _val(yolov9_tree, upstream, small_data, work / "runs", "upstream")
+    done = work / "runs" / "fp" / "results.json"  # test_val_trt_fp_onnx_equals_pytorch's run
+    plain = json.loads(done.read_text()) if done.is_file() else _val(yolov9_tree, fp_dynamic, small_data,
+                                                                      work / "runs", "fp")
+    assert got["images"] == 8 and got["AP"] == plain["AP"] and got["AP50"] == plain["AP50"]
+
+
 @pytest.mark.slow
 @pytest.mark.e2e
 def test_val_trt_int8_onnx_close_to_fake_quant(yolov9_tree, qat_model, qat_plain_cli, work, small_data):

@@ -38,7 +38,7 @@ if str(REPO) not in sys.path:  # `python3 -m pytest` from the repository root ha
     sys.path.append(str(REPO))
 
 from fake_tensorrt import (STD_PLUGINS, VERSIONED_API, FakeMisuse, available, make_fake_trt, vt)  # noqa: E402
-from utils.qat import engine_graph, trt_engine  # noqa: E402
+from utils.qat import engine_graph, trt_common, trt_engine  # noqa: E402
 from utils.qat.errors import QATError  # noqa: E402
 
 
@@ -235,7 +235,7 @@ def test_parser_errors_are_listed(tmp_path, fake_trt):
 def test_no_tensorrt_names_the_install_command(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorrt", None)  # import tensorrt -> ImportError
     with pytest.raises(QATError, match=r"install_dependencies\.sh --tensorrt"):
-        trt_engine.trt_version()
+        trt_common.trt_version()
     with pytest.raises(QATError, match=r"install_dependencies\.sh --tensorrt"):
         trt_engine.build_engine(make_onnx(tmp_path / "m.onnx"), tmp_path / "m.engine", imgsz=64)
 
@@ -246,7 +246,7 @@ def test_stub_only_tensorrt_is_not_tensorrt(monkeypatch):
     empty.__path__ = ["/site-packages/tensorrt"]
     monkeypatch.setitem(sys.modules, "tensorrt", empty)
     with pytest.raises(QATError, match=r"empty package at /site-packages/tensorrt.*install_dependencies\.sh --tensorrt"):
-        trt_engine.trt_version()
+        trt_common.trt_version()
 
 
 def test_builder_needs_a_gpu(tmp_path, fake_trt, monkeypatch):
@@ -258,7 +258,7 @@ def test_builder_needs_a_gpu(tmp_path, fake_trt, monkeypatch):
 
 def test_trt_version(fake_trt):
     fake_trt("10.13.0.35")
-    assert trt_engine.trt_version() == (10, 13)
+    assert trt_common.trt_version() == (10, 13)
 
 
 # ============================================================================= runner
@@ -512,7 +512,7 @@ def test_toolkit_calls_no_removed_api_and_only_the_deprecated_ones_asked_for(tmp
 def test_a_removed_api_fails_the_test(tmp_path, fake_trt, monkeypatch):
     """If the code called BuilderFlag.FP16 on TensorRT 11 (removed there), the fake makes it fail."""
     fake_trt("11.1.0")
-    monkeypatch.setattr(trt_engine, "parse_version", lambda text: (10, 13))  # the code believes it runs 10.13
+    monkeypatch.setattr(trt_engine, "version_tuple", lambda text: (10, 13))  # the code believes it runs 10.13
     with pytest.raises(AttributeError, match="FP16"):
         trt_engine.build_engine(make_onnx(tmp_path / "m.onnx"), tmp_path / "m.engine", imgsz=64, workspace_gib=1)
 

@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `python3 -m pytest` from the repository root has it already
     sys.path.append(str(REPO))
 
-from utils.qat import bench_report, trtexec  # noqa: E402
+from utils.qat import bench_report, trt_common, trtexec  # noqa: E402
 from utils.qat.errors import QATError  # noqa: E402
 
 DATA = REPO / "tests" / "data" / "trtexec"
@@ -157,16 +157,16 @@ def test_benchmark_command():
     assert not any(a.startswith("--shapes") for a in static)
 
 
-def test_resolve_shapes():
-    assert trtexec.resolve_shapes([None, 3, None, None], min_batch=1, opt_batch=8, max_batch=8, imgsz=640) == (
+def test_profile_shapes():
+    assert trt_common.profile_shapes([None, 3, None, None], min_batch=1, opt_batch=8, max_batch=8, imgsz=640) == (
         (1, 3, 640, 640), (8, 3, 640, 640), (8, 3, 640, 640))
-    assert trtexec.resolve_shapes([1, 3, 640, 640], min_batch=1, opt_batch=8, max_batch=8, imgsz=None) is None
-    assert trtexec.resolve_shapes([None, 3, 640, 640], min_batch=1, opt_batch=2, max_batch=4, imgsz=640)[2] == (
+    assert trt_common.profile_shapes([1, 3, 640, 640], min_batch=1, opt_batch=8, max_batch=8, imgsz=None) is None
+    assert trt_common.profile_shapes([None, 3, 640, 640], min_batch=1, opt_batch=2, max_batch=4, imgsz=640)[2] == (
         4, 3, 640, 640)
     with pytest.raises(QATError, match="--imgsz"):
-        trtexec.resolve_shapes([None, 3, None, None], min_batch=1, opt_batch=1, max_batch=1, imgsz=None)
+        trt_common.profile_shapes([None, 3, None, None], min_batch=1, opt_batch=1, max_batch=1, imgsz=None)
     with pytest.raises(QATError, match="fixed at 640x640"):
-        trtexec.resolve_shapes([None, 3, 640, 640], min_batch=1, opt_batch=1, max_batch=1, imgsz=320)
+        trt_common.profile_shapes([None, 3, 640, 640], min_batch=1, opt_batch=1, max_batch=1, imgsz=320)
 
 
 def test_find_trtexec(tmp_path, monkeypatch):
@@ -176,7 +176,7 @@ def test_find_trtexec(tmp_path, monkeypatch):
         trtexec.find_trtexec(search_dirs=(str(tmp_path / "a"), str(tmp_path / "b")))
     msg = str(e.value)
     assert "not found on PATH" in msg and str(tmp_path / "a") in msg and "TRTEXEC=" in msg
-    assert "python3 -m utils.qat.trt_engine" in msg  # the Python-API alternative
+    assert "python3 scripts/build_engine.py" in msg  # the Python-API alternative
     assert "/usr/src/tensorrt/bin" in trtexec.SEARCH_DIRS and "/opt/tensorrt/bin" in trtexec.SEARCH_DIRS
     exe = tmp_path / "b" / "trtexec"
     exe.parent.mkdir()

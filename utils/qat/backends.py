@@ -9,7 +9,6 @@ The TensorRT backend lives in ``utils/qat/trt_engine.py``.
 from __future__ import annotations
 
 import contextlib
-import json
 import sys
 from pathlib import Path
 
@@ -17,9 +16,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from utils.qat.artifact import ArtifactMeta, is_end2end
 from utils.qat.errors import QATError
-
-END2END_OUTPUTS = ("num_dets", "det_boxes", "det_scores", "det_classes")
 
 
 class TorchBackend:
@@ -86,11 +84,12 @@ class ORTBackend:
         self.batch_size = b if isinstance(b, int) else None
         self.imgsz = (h, w) if isinstance(h, int) and isinstance(w, int) else None
         self.output_names = [o.name for o in self.session.get_outputs()]
-        self.end2end = set(END2END_OUTPUTS) <= set(self.output_names)
-        meta = self.session.get_modelmeta().custom_metadata_map
-        self.stride = int(meta.get("stride", 32))
-        self.names = {int(k): v for k, v in json.loads(meta["names"]).items()} if "names" in meta else None
-        self.task = meta.get("task", "segment" if "output1" in self.output_names or "det_masks" in self.output_names else "detect")
+        self.end2end = is_end2end(self.output_names)
+        meta = ArtifactMeta.read(self.session.get_modelmeta().custom_metadata_map)
+        self.stride = meta.stride or 32
+        self.names = meta.names
+        self.task = meta.task or ("segment" if "output1" in self.output_names or "det_masks" in self.output_names
+                                  else "detect")
 
     def __call__(self, images: torch.Tensor):
         x = images.detach().cpu().numpy().astype(np.float16 if self.fp16 else np.float32)

@@ -38,6 +38,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from utils.qat.artifact import END2END_OUTPUTS
 from utils.qat.atomic import write_text
 from utils.qat.errors import QATError, run_cli
 
@@ -68,10 +69,10 @@ def graph_io(onnx_path: Path) -> tuple[str, list[int | None], list[str]]:
         raise QATError(f"{onnx_path} holds TensorRT plugin nodes ({', '.join(plugins)}) that ONNX Runtime cannot run; "
                        f"compare the plain export (export_qat.py --include onnx).")
     outputs = [o.name for o in model.graph.output]
-    if "num_dets" in outputs:
+    if any(n in outputs for n in END2END_OUTPUTS):  # any End2End output: ranked lists
         raise QATError(f"{onnx_path} is an End2End graph, whose ranked detection lists differ between NMS "
                        f"implementations element by element; compare the plain export (export_qat.py --include onnx).")
-    from utils.qat.trtexec import image_input
+    from utils.qat.trt_common import image_input
     name, dims = image_input(model, onnx_path)
     return name, dims, outputs
 
@@ -110,7 +111,7 @@ def write_data_loader(work: Path, input_name: str, x: np.ndarray) -> Path:
 
 def trt_precision_args(version: str, strongly_typed: bool) -> list[str]:
     """Polygraphy's TensorRT build flags matching the toolkit's builds (docs/TENSORRT.md)."""
-    from utils.qat.trtexec import version_tuple
+    from utils.qat.trt_common import version_tuple
     major, _minor = version_tuple(version)
     if major >= 11:
         return []  # strongly typed only; precisions come from the ONNX (Q/DQ, --half)
@@ -235,12 +236,11 @@ def main(args: argparse.Namespace) -> int:
     write_data_loader(work, name, x)
     version = args.trt_version
     if version is None and not args.reference_only and engine is None:
-        from utils.qat.trtexec import _python_trt_version
-        version = _python_trt_version()
+        from utils.qat.trt_common import INSTALL_TENSORRT, installed_version
+        version = installed_version()
         if version is None and not args.dry_run:
             raise QATError("TensorRT is not installed here (Polygraphy's --trt runner needs it, on a GPU host); run "
-                           "with --reference-only for the ONNX Runtime side, or install it with "
-                           "./install_dependencies.sh --tensorrt.")
+                           f"with --reference-only for the ONNX Runtime side, or install it with {INSTALL_TENSORRT}.")
     exe = "polygraphy" if args.dry_run else find_polygraphy()
     ref_cmd, trt_cmd = commands(onnx_path, work, outputs=outputs, engine=engine, trt_version=version,
                                 strongly_typed=args.strongly_typed, plugins=args.plugins, polygraphy=exe)

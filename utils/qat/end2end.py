@@ -35,13 +35,12 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from utils.qat.artifact import END2END_OUTPUTS, MASK_OUTPUT
 from utils.qat.errors import QATError
 
-__all__ = ["BACKENDS", "OUTPUTS", "NMSOptions", "append_nms"]
+__all__ = ["BACKENDS", "NMSOptions", "append_nms"]
 
 BACKENDS = ("onnx", "trt")
-OUTPUTS = ("num_dets", "det_boxes", "det_scores", "det_classes")
-MASK_OUTPUT = "det_masks"
 TRT_DOMAIN = "TRT"
 MIN_OPSET = 13  # per-channel Q/DQ and the axes-as-input ReduceSum
 #: The largest K both NVIDIA statements allow: ITopKLayer "values up to 3840" (NvInfer.h), onnx-tensorrt's
@@ -223,9 +222,9 @@ def _nms_trt(b: _Builder, boxes_xywh: str, scores: str, opts: NMSOptions, with_i
                  score_threshold=float(opts.conf_thres), class_agnostic=int(bool(opts.class_agnostic)))
     if with_indices:
         outs = b.op("EfficientNMSX_TRT", [boxes_xywh, scores], domain=TRT_DOMAIN,
-                    outputs=[*OUTPUTS, "/end2end/det_indices"], **attrs)
+                    outputs=[*END2END_OUTPUTS, "/end2end/det_indices"], **attrs)
         return outs[-1]  # (B, K) int32 anchor index of each detection
-    b.op("EfficientNMS_TRT", [boxes_xywh, scores], domain=TRT_DOMAIN, outputs=list(OUTPUTS), **attrs)
+    b.op("EfficientNMS_TRT", [boxes_xywh, scores], domain=TRT_DOMAIN, outputs=list(END2END_OUTPUTS), **attrs)
     return None
 
 

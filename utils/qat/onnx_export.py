@@ -7,10 +7,12 @@
    quantized weights as INT8 initializers holding PyTorch's own integers (:func:`fold_weight_qdq`),
 2. optionally simplifies it (``onnx_qdq.simplify``: onnxslim, Q/DQ checked to survive; a failure keeps
    the unsimplified graph and says so in the report),
-3. lints the Q/DQ placement of quantized graphs (``onnx_qdq.lint``),
-4. optionally converts the floating-point parts to FP16 with NVIDIA ModelOpt AutoCast (:func:`to_fp16`),
+3. optionally converts the floating-point parts to FP16 with NVIDIA ModelOpt AutoCast (:func:`to_fp16`),
+4. lints the Q/DQ placement of quantized graphs once, on the graph TensorRT gets (``onnx_qdq.lint``; the
+   report's Q/DQ counts come from that same lint),
 5. optionally appends NMS (``end2end.append_nms``),
-6. writes metadata (``stride``, ``names`` as JSON, ``task``, ``imgsz``, ``quantized``, ``version``, ...)
+6. writes metadata (``utils.qat.artifact``: ``stride``, ``names`` as JSON, ``task``, ``imgsz``; and ``quantized``,
+   ``version``, ...)
    and saves the file atomically: nothing half-written is left on any error.
 
 The detection head is put in export mode on the head *instance* only, and restored afterwards. Dual
@@ -33,8 +35,10 @@ import torch.nn as nn
 from onnx import numpy_helper
 
 from utils.qat import __version__, onnx_qdq
+from utils.qat.artifact import ArtifactMeta, write_props
 from utils.qat.atomic import atomic_path
 from utils.qat.errors import QATError
+from utils.qat.onnx_graph import constant_value
 
 __all__ = ["export_onnx", "format_report", "to_fp16", "fold_weight_qdq", "quantized_weights", "load_for_export",
            "parse_imgsz", "find_head", "head_kind", "is_quantized_model", "readable", "DeepStreamOutput",
@@ -118,12 +122,6 @@ def _export_mode(head: nn.Module | None, *, dynamic_hw: bool, inplace: bool | No
                 setattr(head, k, saved[k])
             else:
                 head.__dict__.pop(k, None)
-
-
-def _flatten(out) -> list[torch.Tensor]:
-    if torch.is_tensor(out):
-        return [out]
-    return [t for o in out for t in _flatten(o)]
 
 
 def head_outputs(out, task: str) -> tuple[torch.Tensor, ...]:
@@ -263,15 +261,6 @@ def quantized_weights(module: nn.Module) -> dict[str, np.ndarray]:
     return out
 
 
-def _const_value(graph: onnx.GraphProto, name: str, inits: dict) -> np.ndarray | None:
-    if name in inits:
-        return numpy_helper.to_array(inits[name])
-    for n in graph.node:
-        if n.op_type == "Constant" and n.output[0] == name:
-            return next((numpy_helper.to_array(a.t) for a in n.attribute if a.name == "value"), None)
-    return None
-
-
 def fold_weight_qdq(model: onnx.ModelProto, fake: dict[str, np.ndarray]) -> int:
     """Replace ``Q(float weight) -> DQ`` by ``DQ(int8 weight)`` in place, the integers taken from PyTorch's
     fake-quantized weights ``fake`` (by initializer name). Returns how many weights were folded.
@@ -293,8 +282,8 @@ def fold_weight_qdq(model: onnx.ModelProto, fake: dict[str, np.ndarray]) -> int:
         dqs = readers.get(q.output[0], [])
         if not dqs or any(d.op_type != "DequantizeLinear" for d in dqs) or len(q.input) < 3:
             continue
-        scale = _const_value(g, q.input[1], inits)
-        zp = _const_value(g, q.input[2], inits)
+        scale = constant_value(g, q.input[1], inits)
+        zp = constant_value(g, q.input[2], inits)
         if scale is None or zp is None or zp.dtype != np.int8 or np.any(zp != 0):
             continue
         w = fake[q.input[0]]
@@ -325,14 +314,6 @@ def readable(path: Path) -> None:
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(path, 0o666 & ~umask)
-
-
-def _set_metadata(model: onnx.ModelProto, meta: dict) -> None:
-    del model.metadata_props[:]
-    for k, v in meta.items():
-        p = model.metadata_props.add()
-        p.key = str(k)
-        p.value = v if isinstance(v, str) else json.dumps(v)
 
 
 def _fix_output_shapes(model: onnx.ModelProto, shapes: list[tuple[int, ...]], dynamic_axes: dict) -> None:
@@ -438,21 +419,19 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, *, imgsz: int | Seque
                     simplify_status = "done"
                 except RuntimeError as e:
                     simplify_status = f"failed: {e}; kept the unsimplified graph"
-            summary = onnx_qdq.qdq_summary(onnx_model)
             if half:
                 onnx_model = to_fp16(onnx_model, (h, w), batch_size)
             lint = None
             if quantized:  # the graph TensorRT gets (after FP16 conversion: AutoCast rewrites the Q/DQ scales)
                 patterns = tuple(onnx_qdq.DEFAULT_ALLOW_FP) + tuple(_module_to_onnx_pattern(p) for p in allow_fp)
                 lint = onnx_qdq.lint(onnx_model, allow_fp=patterns)
+            summary = onnx_qdq.qdq_summary(onnx_model, lint)  # the lint's counts: no second lint
             if nms is not None:
                 onnx_model = e2e.append_nms(onnx_model, nc=nc, task=task, options=nms,
                                             pred=output_names[0], protos=output_names[-1])
             meta = {
-                "stride": str(stride),
-                "names": json.dumps({str(k): v for k, v in names.items()}),
-                "task": task,
-                "imgsz": json.dumps([h, w]),
+                **ArtifactMeta(stride=stride, names={int(k): str(v) for k, v in names.items()}, task=task,
+                               imgsz=[h, w]).props(),
                 "batch": "dynamic" if dynamic else str(batch_size),
                 "dynamic": json.dumps({"batch": bool(dynamic), "hw": bool(dynamic and dynamic_hw)}),
                 "quantized": "true" if quantized else "false",
@@ -462,7 +441,7 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, *, imgsz: int | Seque
                 "producer": "yolov9-qat export_onnx",
             }
             meta.update({k: v for k, v in (metadata or {}).items() if v is not None})
-            _set_metadata(onnx_model, meta)
+            write_props(onnx_model, meta)
             onnx_model.producer_name = "yolov9-qat"
             onnx_model.producer_version = __version__
             onnx.checker.check_model(onnx_model)
@@ -475,7 +454,7 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, *, imgsz: int | Seque
         raise QATError(f"the exported graph failed the ONNX checker ({str(e).splitlines()[0]}); try another "
                        f"--opset (13-20) or export without --half.") from e
 
-    final = onnx_qdq.qdq_summary(onnx_model) if (half or nms is not None) else summary
+    final = onnx_qdq.graph_io(onnx_model) if nms is not None else summary
     return {
         "path": str(path),
         "size": path.stat().st_size,

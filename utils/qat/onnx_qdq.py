@@ -5,7 +5,7 @@
 - :func:`dedupe_qdq` merges the redundant Q/DQ the torch exporter leaves (one tensor quantized
   several times with identical parameters) without changing a single output bit.
 - :func:`simplify` runs onnxslim and checks that every Q/DQ (and its scale) survives.
-- :func:`qdq_summary` gives the numbers the export CLI prints.
+- :func:`qdq_summary` (and :func:`graph_io`) give the numbers the export CLI prints.
 
 Scales and zero points may be initializers or ``Constant`` nodes (the torch exporter emits
 ``Constant`` nodes; onnxslim turns them into initializers); both are understood everywhere.
@@ -23,7 +23,10 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-__all__ = ["FINDING_KINDS", "lint", "format_lint", "dedupe_qdq", "simplify", "qdq_summary", "conv_feeds"]
+from utils.qat.onnx_graph import attr, constant_node_dtype, constant_node_value, tensor_types, toposort
+
+__all__ = ["FINDING_KINDS", "lint", "format_lint", "dedupe_qdq", "simplify", "qdq_summary", "graph_io",
+           "conv_feeds"]
 
 #: Every finding kind :func:`lint` can report, in report order.
 FINDING_KINDS = (
@@ -67,39 +70,6 @@ def _load(model: ModelLike) -> onnx.ModelProto:
     if isinstance(model, (str, Path)):
         return onnx.load(str(model))
     raise TypeError(f"expected an onnx.ModelProto or a path, got {type(model).__name__}")
-
-
-def _attr(node: onnx.NodeProto, name: str, default: Any = None) -> Any:
-    for a in node.attribute:
-        if a.name == name:
-            return onnx.helper.get_attribute_value(a)
-    return default
-
-
-def _constant_node_value(node: onnx.NodeProto) -> np.ndarray | None:
-    for a in node.attribute:
-        if a.name == "value":
-            return numpy_helper.to_array(a.t)
-        if a.name == "value_float":
-            return np.array(a.f, dtype=np.float32)
-        if a.name == "value_floats":
-            return np.array(list(a.floats), dtype=np.float32)
-        if a.name == "value_int":
-            return np.array(a.i, dtype=np.int64)
-        if a.name == "value_ints":
-            return np.array(list(a.ints), dtype=np.int64)
-    return None
-
-
-def _constant_node_dtype(node: onnx.NodeProto) -> int | None:
-    for a in node.attribute:
-        if a.name == "value":
-            return a.t.data_type
-        if a.name in ("value_float", "value_floats"):
-            return onnx.TensorProto.FLOAT
-        if a.name in ("value_int", "value_ints"):
-            return onnx.TensorProto.INT64
-    return None
 
 
 class _Graph:
@@ -147,7 +117,7 @@ class _Graph:
         if name in self.init:
             v = numpy_helper.to_array(self.init[name])
         elif name in self.const_nodes:
-            v = _constant_node_value(self.const_nodes[name])
+            v = constant_node_value(self.const_nodes[name])
         else:
             p = self.producer.get(name)
             if p is not None and p.op_type == "Identity":
@@ -166,7 +136,7 @@ class _Graph:
         if name in self.init:
             return self.init[name].data_type
         if name in self.const_nodes:
-            return _constant_node_dtype(self.const_nodes[name])
+            return constant_node_dtype(self.const_nodes[name])
         p = self.producer.get(name)
         if p is not None and p.op_type == "Identity":
             return self.dtype(p.input[0])
@@ -183,7 +153,7 @@ class _Graph:
     #    input quantizer, and later quantizers of the same tensor read through a chain of them.
     def elem_type(self, name: str) -> int | None:
         if self._types is None:
-            self._types = _tensor_types(self.model)
+            self._types = tensor_types(self.model)
         return self._types.get(name)
 
     def is_noop(self, node: onnx.NodeProto) -> bool:
@@ -192,9 +162,9 @@ class _Graph:
             return True
         if node.op_type != "Cast" or not node.input:
             return False
-        to = _attr(node, "to")
+        to = attr(node, "to")
         src = self.producer.get(node.input[0])
-        if src is not None and src.op_type == "Cast" and _attr(src, "to") == to:
+        if src is not None and src.op_type == "Cast" and attr(src, "to") == to:
             return True
         return to is not None and self.elem_type(node.input[0]) == to
 
@@ -232,31 +202,6 @@ class _Graph:
         return scale, None, None
 
 
-def _tensor_types(model: onnx.ModelProto) -> dict[str, int]:
-    """Element type of every tensor onnx can tell (declared, Constant, Cast, or shape-inferred)."""
-    g = model.graph
-    types: dict[str, int] = {}
-    for v in list(g.input) + list(g.output) + list(g.value_info):
-        if v.type.HasField("tensor_type") and v.type.tensor_type.elem_type:
-            types[v.name] = v.type.tensor_type.elem_type
-    types.update({t.name: t.data_type for t in g.initializer})
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
-        for v in inferred.graph.value_info:
-            if v.type.HasField("tensor_type") and v.type.tensor_type.elem_type:
-                types.setdefault(v.name, v.type.tensor_type.elem_type)
-    except Exception:  # > 2 GB protos, unknown custom ops: fall back to what is declared
-        pass
-    for n in g.node:
-        if n.op_type == "Constant" and n.output:
-            t = _constant_node_dtype(n)
-            if t:
-                types.setdefault(n.output[0], t)
-        elif n.op_type == "Cast" and n.output:
-            types.setdefault(n.output[0], int(_attr(n, "to", 0)))
-    return types
-
-
 def _has_subgraph(node: onnx.NodeProto) -> bool:
     return any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute)
 
@@ -272,7 +217,7 @@ def _scales_equal(a: np.ndarray | None, b: np.ndarray | None) -> bool:
 
 
 def _axis(node: onnx.NodeProto, rank: int) -> int:
-    ax = int(_attr(node, "axis", 1))
+    ax = int(attr(node, "axis", 1))
     return ax + rank if ax < 0 else ax
 
 
@@ -285,7 +230,7 @@ def _qkey(g: _Graph, node: onnx.NodeProto) -> tuple | None:
     parts += [None] if zp is None else [zp_type, zp.dtype.str, zp.shape, zp.tobytes()]
     attrs = sorted((a.name, a.SerializeToString()) for a in node.attribute if a.name != "axis")
     if scale.size > 1:  # axis only matters for per-channel parameters
-        parts.append(int(_attr(node, "axis", 1)))
+        parts.append(int(attr(node, "axis", 1)))
     parts.append(tuple(attrs))
     return tuple(parts)
 
@@ -348,7 +293,7 @@ def _int_type(g: _Graph, node: onnx.NodeProto, depth: int = 0) -> int | None:
     if len(node.input) > 2 and node.input[2]:
         return g.dtype(node.input[2])
     if node.op_type == Q:
-        return int(_attr(node, "output_dtype", 0)) or onnx.TensorProto.UINT8
+        return int(attr(node, "output_dtype", 0)) or onnx.TensorProto.UINT8
     if g.is_static(node.input[0]):
         return g.dtype(node.input[0])
     src = g.source(node.input[0])
@@ -429,7 +374,7 @@ def lint(model: ModelLike, allow_fp: Iterable[str] = DEFAULT_ALLOW_FP) -> dict:
                     # per output channel: Conv weight [K, C/g, ...] -> axis 0;
                     # ConvTranspose weight [C, K/g, ...] -> axis 1 (axis 0 accepted too).
                     ok_axes = (0,) if op == "Conv" else (1, 0)
-                    out_ch = shape[0] if op == "Conv" else shape[1] * int(_attr(n, "group", 1))
+                    out_ch = shape[0] if op == "Conv" else shape[1] * int(attr(n, "group", 1))
                     per_channel = scale is not None and scale.size > 1 and any(
                         _axis(w_dq, len(shape)) == ax and scale.size == shape[ax] for ax in ok_axes)
                     if out_ch > 1 and not per_channel:
@@ -464,7 +409,7 @@ def lint(model: ModelLike, allow_fp: Iterable[str] = DEFAULT_ALLOW_FP) -> dict:
 
         elif op in ("MaxPool", "Resize", "Upsample"):
             if op != "MaxPool":
-                mode = _attr(n, "mode", b"nearest")
+                mode = attr(n, "mode", b"nearest")
                 mode = mode.decode() if isinstance(mode, bytes) else str(mode)
                 if mode != "nearest":
                     continue
@@ -565,31 +510,8 @@ def _merge_once(model: onnx.ModelProto, op: str) -> int:
     del graph.node[:]
     graph.node.extend(kept)
     _rename_inputs(graph, mapping)
-    _toposort(graph)
+    toposort(graph)
     return len(drop)
-
-
-def _toposort(graph: onnx.GraphProto) -> None:
-    nodes = list(graph.node)
-    available = {i.name for i in graph.input} | {t.name for t in graph.initializer} | {""}
-    order: list[onnx.NodeProto] = []
-    pending = list(range(len(nodes)))
-    while pending:
-        progressed, rest = False, []
-        for k in pending:
-            n = nodes[k]
-            if all(i in available for i in n.input):
-                order.append(n)
-                available.update(n.output)
-                progressed = True
-            else:
-                rest.append(k)
-        if not progressed:  # inputs from outside (subgraph scope) or a cycle: keep original order
-            order.extend(nodes[k] for k in rest)
-            break
-        pending = rest
-    del graph.node[:]
-    graph.node.extend(order)
 
 
 def _prune_unused_constants(model: onnx.ModelProto, candidates: set[str]) -> None:
@@ -675,7 +597,7 @@ def _qdq_signature(model: onnx.ModelProto) -> dict:
             sig[n.op_type].append((
                 None if scale is None else (scale.dtype.str, scale.shape, scale.tobytes()),
                 None if zp is None else (zp_type, zp.shape, zp.tobytes()),
-                int(_attr(n, "axis", 1)) if scale is not None and scale.size > 1 else None))
+                int(attr(n, "axis", 1)) if scale is not None and scale.size > 1 else None))
     return {k: sorted(v, key=repr) for k, v in sig.items()}
 
 
@@ -725,25 +647,34 @@ def _value_info(v: onnx.ValueInfoProto) -> dict:
     return {"name": v.name, "shape": shape, "dtype": dtype}
 
 
-def qdq_summary(model: ModelLike) -> dict:
-    """Numbers for the export printout: Q/DQ pairs, quantized / all convs, opset, inputs / outputs
-    (dims as ints, symbolic names, or None when unknown). JSON-serialisable."""
+def graph_io(model: ModelLike) -> dict:
+    """Opset and inputs / outputs (name, dims as ints, symbolic names or None when unknown, dtype) of a
+    graph. JSON-serialisable."""
     m = _load(model)
-    g = _Graph(m)
-    rep = lint(m, allow_fp=())
-    pairs = sum(1 for n in g.nodes if n.op_type == DQ and (s := g.source(n.input[0])) is not None
-                and s.op_type == Q)
-    opset = next((o.version for o in m.opset_import if o.domain in ("", "ai.onnx")), None)
-    inits = set(g.init)
+    inits = {t.name for t in m.graph.initializer}
     return {
-        "qdq_pairs": pairs,
-        "quantize_linear": rep["stats"]["quantize_linear"],
-        "dequantize_linear": rep["stats"]["dequantize_linear"],
-        "quantized_conv": rep["stats"]["quantized_conv"],
-        "conv": rep["stats"]["conv"],
-        "opset": opset,
+        "opset": next((o.version for o in m.opset_import if o.domain in ("", "ai.onnx")), None),
         "inputs": [_value_info(v) for v in m.graph.input if v.name not in inits],
         "outputs": [_value_info(v) for v in m.graph.output],
+    }
+
+
+def qdq_summary(model: ModelLike, lint_report: dict | None = None) -> dict:
+    """Numbers for the export printout: Q/DQ pairs, Q and DQ nodes, quantized / all convs, and
+    :func:`graph_io`. ``lint_report``: :func:`lint` of this same graph when the caller has it (its
+    counts do not depend on ``allow_fp``); otherwise the counts are linted here. JSON-serialisable."""
+    m = _load(model)
+    g = _Graph(m)
+    stats = (lint_report if lint_report is not None else lint(m, allow_fp=()))["stats"]
+    pairs = sum(1 for n in g.nodes if n.op_type == DQ and (s := g.source(n.input[0])) is not None
+                and s.op_type == Q)
+    return {
+        "qdq_pairs": pairs,
+        "quantize_linear": stats["quantize_linear"],
+        "dequantize_linear": stats["dequantize_linear"],
+        "quantized_conv": stats["quantized_conv"],
+        "conv": stats["conv"],
+        **graph_io(m),
     }
 
 
@@ -761,7 +692,7 @@ def conv_feeds(model: ModelLike) -> dict[str, dict[str, int]]:
         links = []
         n = producer.get(name)
         while n is not None and n.op_type == "Cast":
-            to = int(_attr(n, "to", 0))
+            to = int(attr(n, "to", 0))
             links.append(f"Cast({onnx.TensorProto.DataType.Name(to) if to else '?'})")
             n = producer.get(n.input[0])
         head = n.op_type if n is not None else ("initializer" if name in inits else "graph input")

@@ -20,7 +20,6 @@ how it behaves, in docs/TENSORRT.md ("TensorRT API, flags and plugins used").
 """
 from __future__ import annotations
 
-import ast
 import ctypes
 import json
 import os
@@ -30,15 +29,16 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence, Union
 
+from utils.qat.artifact import MASK_OUTPUT, ArtifactMeta, is_end2end, read_props
 from utils.qat.atomic import atomic_path, write_text
 from utils.qat.errors import QATError
+from utils.qat.trt_common import (INSTALL_TENSORRT, check_batches, check_plugin_files, profile_shapes, release,
+                                  require_onnx, require_tensorrt, version_tuple)
 
 if TYPE_CHECKING:  # torch is imported where it is used, so that the metadata helpers load fast (trtexec path)
     import tensorrt as trt
     import torch
 
-INSTALL_TENSORRT = "./install_dependencies.sh --tensorrt"
-END2END_OUTPUTS = ("num_dets", "det_boxes", "det_scores", "det_classes")
 METADATA_SUFFIX = ".json"  # the sidecar of X.engine is X.engine.json
 LAYER_INFO_SUFFIX = ".layer.json"  # X.engine.layer.json, as trtexec --exportLayerInfo names it here
 #: Plugins that TensorRT's own plugin library (libnvinfer_plugin) does not provide.
@@ -53,41 +53,6 @@ Output = Union["torch.Tensor", "tuple[torch.Tensor, ...]", "dict[str, torch.Tens
 
 
 # ----------------------------------------------------------------------------- version, imports
-def _require_tensorrt() -> None:
-    """Raise a QATError naming the install command when ``import tensorrt`` fails."""
-    try:
-        import tensorrt
-    except (ImportError, OSError) as e:  # OSError: the wheel is there but its CUDA libraries are not
-        raise QATError(f"TensorRT is not installed here (import tensorrt: {e}); install it with "
-                       f"{INSTALL_TENSORRT}.") from e
-    if not hasattr(tensorrt, "__version__") or not hasattr(tensorrt, "Builder"):
-        # e.g. only tensorrt-stubs is installed: its tensorrt/ folder of .pyi files imports as an empty package
-        where = ", ".join(getattr(tensorrt, "__path__", [])) or "?"
-        raise QATError(f"TensorRT is not installed here (import tensorrt found only an empty package at {where}, "
-                       f"e.g. from tensorrt-stubs); install it with {INSTALL_TENSORRT}.")
-
-
-def parse_version(text: str) -> tuple[int, int]:
-    """``"10.3.0.26"`` -> ``(10, 3)``."""
-    m = re.match(r"\s*(\d+)\.(\d+)", str(text))
-    if not m:
-        raise QATError(f"cannot read the TensorRT version from {text!r}; reinstall it with {INSTALL_TENSORRT}.")
-    return int(m.group(1)), int(m.group(2))
-
-
-def trt_version() -> tuple[int, int]:
-    """(major, minor) of the installed TensorRT Python package."""
-    _require_tensorrt()
-    import tensorrt as trt
-    return parse_version(trt.__version__)
-
-
-def trt_version_string() -> str:
-    _require_tensorrt()
-    import tensorrt as trt
-    return str(trt.__version__)
-
-
 def _require_cuda() -> None:
     import torch
     if not torch.cuda.is_available():
@@ -108,11 +73,6 @@ def _cuda_device(device: str | torch.device) -> torch.device:
         raise QATError(f"{dev} does not exist: this machine has {torch.cuda.device_count()} CUDA device(s); "
                        f"pass --device cuda:0 .. cuda:{torch.cuda.device_count() - 1}.")
     return dev
-
-
-def _release(version: str) -> tuple[int, ...]:
-    """``"10.3.0.26"`` -> ``(10, 3, 0)``: engines load only in the TensorRT release that built them."""
-    return tuple(int(x) for x in re.findall(r"\d+", str(version))[:3])
 
 
 def _dims(d: Any) -> tuple[int, ...]:
@@ -154,11 +114,9 @@ def load_plugins(logger: trt.ILogger, plugins: Sequence[PathLike] = ()) -> None:
     if not trt.init_libnvinfer_plugins(logger, ""):
         raise QATError("TensorRT could not register its plugin library (init_libnvinfer_plugins failed); check "
                        f"that libnvinfer_plugin comes with the installed TensorRT ({INSTALL_TENSORRT}).")
+    check_plugin_files(plugins)
     for p in plugins:
         path = Path(p)
-        if not path.is_file():
-            raise QATError(f"plugin library {path} not found; pass the .so file that provides the plugin with "
-                           f"--plugins PATH.")
         try:
             ctypes.CDLL(str(path.resolve()), mode=ctypes.RTLD_GLOBAL)
         except OSError as e:
@@ -205,8 +163,9 @@ def metadata_path(engine_path: PathLike) -> Path:
 
 
 def onnx_metadata(onnx_path: PathLike) -> dict[str, Any]:
-    """Stride, names, task and End2End-ness of an exported ONNX (YOLOv9 export writes ``stride`` and
-    ``names`` into ``metadata_props``). Missing pieces are None; needs the ``onnx`` package."""
+    """Stride, names, task and End2End-ness of an exported ONNX (its ``metadata_props``, read by
+    ``utils.qat.artifact``: this toolkit's export or upstream YOLOv9's), its image input and the plugins it
+    needs. Missing pieces are None; needs the ``onnx`` package."""
     meta: dict[str, Any] = {"stride": None, "names": None, "end2end": False, "task": "detect", "imgsz": None,
                             "input_name": None, "plugins": []}
     try:
@@ -217,35 +176,22 @@ def onnx_metadata(onnx_path: PathLike) -> dict[str, Any]:
         model = onnx.load(str(onnx_path), load_external_data=False)
     except Exception:  # not an ONNX file: the TensorRT parser says so with its own error
         return meta
-    props = {p.key: p.value for p in model.metadata_props}
-    if "stride" in props:
-        try:
-            meta["stride"] = int(float(props["stride"]))
-        except ValueError:
-            pass
-    if "names" in props:
-        try:
-            names = ast.literal_eval(props["names"])
-            if isinstance(names, (list, tuple)):
-                names = dict(enumerate(names))
-            if isinstance(names, dict):
-                meta["names"] = {int(k): str(v) for k, v in names.items()}
-        except (ValueError, SyntaxError):
-            pass
+    art = ArtifactMeta.read(read_props(model))
+    meta["stride"], meta["names"] = art.stride, art.names
     outputs = [o.name for o in model.graph.output]
-    meta["end2end"] = all(n in outputs for n in END2END_OUTPUTS)
+    meta["end2end"] = is_end2end(outputs)
 
     def rank(vi: Any) -> int:
         return len(vi.type.tensor_type.shape.dim)
 
-    is_seg = "det_masks" in outputs or (not meta["end2end"] and any(rank(o) == 4 for o in model.graph.output))
-    meta["task"] = props.get("task") or ("segment" if is_seg else "detect")
+    is_seg = MASK_OUTPUT in outputs or (not meta["end2end"] and any(rank(o) == 4 for o in model.graph.output))
+    meta["task"] = art.task or ("segment" if is_seg else "detect")
     meta["plugins"] = onnx_plugins(model)
-    initializers = {i.name for i in model.graph.initializer}
-    inputs = [i for i in model.graph.input if i.name not in initializers]
+    from utils.qat.onnx_graph import graph_inputs, input_dims
+    inputs = graph_inputs(model)
     if inputs:
         meta["input_name"] = inputs[0].name
-        dims = [d.dim_value if d.HasField("dim_value") else None for d in inputs[0].type.tensor_type.shape.dim]
+        dims = input_dims(inputs[0])
         if len(dims) == 4 and dims[2] and dims[3]:
             meta["imgsz"] = [int(dims[2]), int(dims[3])]
     return meta
@@ -275,17 +221,18 @@ def write_engine_metadata(engine_path: PathLike, onnx_path: PathLike | None, *, 
                           extra: dict[str, Any] | None = None) -> Path:
     """Write ``X.engine.json`` beside the engine (atomically)."""
     meta = onnx_metadata(onnx_path) if onnx_path is not None and Path(onnx_path).is_file() else {}
-    names = meta.get("names")
+    art = ArtifactMeta(stride=meta.get("stride"), names=meta.get("names"), task=meta.get("task", "detect"),
+                       imgsz=list(imgsz) if imgsz is not None else meta.get("imgsz")).sidecar()
     doc: dict[str, Any] = {
         "format": 1,
         "tensorrt": tensorrt_version,
         "builder": builder,
         "onnx": str(onnx_path) if onnx_path is not None else None,
-        "stride": meta.get("stride"),
-        "names": {str(k): v for k, v in names.items()} if names else None,
-        "imgsz": list(imgsz) if imgsz is not None else meta.get("imgsz"),
+        "stride": art["stride"],
+        "names": art["names"],
+        "imgsz": art["imgsz"],
         "end2end": bool(meta.get("end2end", False)),
-        "task": meta.get("task", "detect"),
+        "task": art["task"],
         "input_name": meta.get("input_name"),
         "batch": batch,
         "strongly_typed": strongly_typed,
@@ -297,7 +244,8 @@ def write_engine_metadata(engine_path: PathLike, onnx_path: PathLike | None, *, 
 
 
 def read_engine_metadata(engine_path: PathLike) -> dict[str, Any]:
-    """The sidecar of ``engine_path`` ({} when absent or unreadable); ``names`` keys come back as ints."""
+    """The sidecar of ``engine_path`` ({} when absent or unreadable); ``stride``, ``names`` (int keys), ``task`` and
+    ``imgsz`` read by ``utils.qat.artifact`` (None where unknown)."""
     p = metadata_path(engine_path)
     try:
         doc = json.loads(p.read_text())
@@ -305,9 +253,8 @@ def read_engine_metadata(engine_path: PathLike) -> dict[str, Any]:
         return {}
     if not isinstance(doc, dict):
         return {}
-    if isinstance(doc.get("names"), dict):
-        doc["names"] = {int(k): str(v) for k, v in doc["names"].items()}
-    return doc
+    art = ArtifactMeta.read(doc)
+    return {**doc, "stride": art.stride, "names": art.names, "task": art.task, "imgsz": art.imgsz}
 
 
 # ----------------------------------------------------------------------------- building
@@ -319,35 +266,6 @@ def _workspace_bytes(workspace_gib: float | None) -> int:
     import torch
     free, _total = torch.cuda.mem_get_info()
     return int(free)
-
-
-def _profile_shapes(name: str, shape: tuple[int, ...], min_batch: int, opt_batch: int, max_batch: int,
-                    imgsz: tuple[int, int] | None) -> tuple[list[int], list[int], list[int]] | None:
-    """min/opt/max for one network input, or None when the input is static."""
-    if all(d >= 0 for d in shape):
-        if imgsz is not None and len(shape) == 4 and tuple(shape[2:]) != imgsz:
-            raise QATError(f"the ONNX input {name!r} is fixed at {shape[2]}x{shape[3]} but imgsz "
-                           f"{imgsz[0]}x{imgsz[1]} was asked for; re-export with --imgsz {imgsz[0]} (or --dynamic).")
-        return None
-    if len(shape) != 4:
-        raise QATError(f"the ONNX input {name!r} has shape {list(shape)}; expected images B x C x H x W: re-export "
-                       f"it with export_qat.py.")
-    c = shape[1]
-    if c < 0:
-        raise QATError(f"the ONNX input {name!r} has a dynamic channel dimension; re-export it with export_qat.py.")
-    if shape[2] < 0 or shape[3] < 0:
-        if imgsz is None:
-            raise QATError(f"the ONNX input {name!r} has dynamic height/width: pass imgsz (--imgsz N) to fix the "
-                           f"engine's image size.")
-        h, w = imgsz
-    else:
-        h, w = shape[2], shape[3]
-        if imgsz is not None and (h, w) != imgsz:
-            raise QATError(f"the ONNX input {name!r} is fixed at {h}x{w} but imgsz {imgsz[0]}x{imgsz[1]} was "
-                           f"asked for; re-export with --imgsz {imgsz[0]}.")
-    if shape[0] >= 0:  # static batch, dynamic H/W
-        min_batch = opt_batch = max_batch = shape[0]
-    return [min_batch, c, h, w], [opt_batch, c, h, w], [max_batch, c, h, w]
 
 
 def build_engine(onnx_path: PathLike, engine_path: PathLike, *, min_batch: int = 1, opt_batch: int | None = None,
@@ -364,20 +282,13 @@ def build_engine(onnx_path: PathLike, engine_path: PathLike, *, min_batch: int =
     (``IEngineInspector``, the schema of ``trtexec --exportLayerInfo``) to ``X.engine.layer.json``.
     """
     onnx_path, engine_path = Path(onnx_path), Path(engine_path)
-    if not onnx_path.is_file():
-        raise QATError(f"ONNX file {onnx_path} not found; export it first with "
-                       f"python3 export_qat.py --weights W --include onnx --dynamic --simplify.")
+    require_onnx(onnx_path)
     opt_batch = max_batch if opt_batch is None else opt_batch
-    if not 1 <= min_batch <= opt_batch <= max_batch:
-        raise QATError(f"batch sizes must satisfy 1 <= min <= opt <= max, got {min_batch}/{opt_batch}/{max_batch}; "
-                       f"fix --min/--opt/--max.")
-    hw: tuple[int, int] | None = None
-    if imgsz is not None:
-        hw = (int(imgsz), int(imgsz)) if isinstance(imgsz, int) else (int(imgsz[0]), int(imgsz[-1]))
-    _require_tensorrt()
+    check_batches(min_batch, opt_batch, max_batch)
+    require_tensorrt()
     import tensorrt as trt
     version = str(trt.__version__)
-    major, minor = parse_version(version)
+    major, minor = version_tuple(version)
     if major < 10:
         raise QATError(f"TensorRT {version} is too old: this toolkit needs TensorRT 10 or 11 (named I/O tensor "
                        f"API); upgrade with {INSTALL_TENSORRT}.")
@@ -430,7 +341,8 @@ def build_engine(onnx_path: PathLike, engine_path: PathLike, *, min_batch: int =
     for i in range(network.num_inputs):
         tensor = network.get_input(i)
         shape = _dims(tensor.shape)
-        shapes = _profile_shapes(tensor.name, shape, min_batch, opt_batch, max_batch, hw)
+        shapes = profile_shapes(shape, min_batch=min_batch, opt_batch=opt_batch, max_batch=max_batch, imgsz=imgsz,
+                                name=tensor.name)
         if len(shape) == 4:
             built_hw = (shapes[0][2], shapes[0][3]) if shapes else (shape[2], shape[3])
             if shapes:
@@ -439,7 +351,8 @@ def build_engine(onnx_path: PathLike, engine_path: PathLike, *, min_batch: int =
                 batch_info = {"min": shape[0], "opt": shape[0], "max": shape[0]}
         if shapes:
             dynamic = True
-            profile.set_shape(tensor.name, trt.Dims(shapes[0]), trt.Dims(shapes[1]), trt.Dims(shapes[2]))
+            mn, op, mx = (trt.Dims(list(s)) for s in shapes)
+            profile.set_shape(tensor.name, mn, op, mx)
     if dynamic:
         config.add_optimization_profile(profile)
 
@@ -540,9 +453,9 @@ class TRTBackend:
         self.engine_path = Path(engine_path)
         if not self.engine_path.is_file():
             raise QATError(f"engine file {self.engine_path} not found; build it with "
-                           f"scripts/generate_trt_engine.sh ONNX ENGINE (or utils.qat.trt_engine.build_engine).")
+                           f"scripts/generate_trt_engine.sh ONNX ENGINE (or scripts/build_engine.py ONNX ENGINE).")
         self.device = self._resolve_device(device)
-        _require_tensorrt()
+        require_tensorrt()
         import tensorrt as trt
         import torch
         self.meta = read_engine_metadata(self.engine_path)
@@ -558,7 +471,7 @@ class TRTBackend:
             if plugin:
                 raise QATError(f"TensorRT {installed} could not load {self.engine_path}: it needs the plugin {plugin}, "
                                f"which is not registered; {plugin_hint(plugin)} with --plugins PATH.so.")
-            if built and _release(built) != _release(installed):
+            if built and release(built) != release(installed):
                 raise QATError(f"{self.engine_path} was built by TensorRT {built} but TensorRT {installed} is "
                                f"installed, and engines only load in the version that built them: rebuild it here "
                                f"with scripts/generate_trt_engine.sh.")
@@ -598,8 +511,8 @@ class TRTBackend:
         self._hw_range = ((mn[2], mn[3]), (mx[2], mx[3]))
         self.fp16 = inp.dtype == torch.float16
         out_names = [o.name for o in self.outputs]
-        self.end2end = all(n in out_names for n in END2END_OUTPUTS)
-        is_seg = "det_masks" in out_names or (not self.end2end and any(len(o.shape) == 4 for o in self.outputs))
+        self.end2end = is_end2end(out_names)
+        is_seg = MASK_OUTPUT in out_names or (not self.end2end and any(len(o.shape) == 4 for o in self.outputs))
         self.task: str = str(self.meta.get("task") or ("segment" if is_seg else "detect"))
         names = self.meta.get("names")
         self.names: dict[int, str] | None = names if isinstance(names, dict) else None
@@ -701,32 +614,3 @@ class TRTBackend:
     def __repr__(self) -> str:
         return (f"TRTBackend({str(self.engine_path)!r}, batch={self.batch_size or f'1..{self.max_batch}'}, "
                 f"imgsz={self.imgsz}, fp16={self.fp16}, end2end={self.end2end}, task={self.task!r})")
-
-
-if __name__ == "__main__":  # pragma: no cover - manual use: python3 -m utils.qat.trt_engine ONNX ENGINE
-    import argparse
-
-    from utils.qat.errors import run_cli
-
-    ap = argparse.ArgumentParser(description="Build a TensorRT 10/11 engine with the Python API.")
-    ap.add_argument("onnx")
-    ap.add_argument("engine")
-    ap.add_argument("--min", type=int, default=1)
-    ap.add_argument("--opt", type=int, default=None)
-    ap.add_argument("--max", type=int, default=16)
-    ap.add_argument("--imgsz", type=int, default=None)
-    ap.add_argument("--strongly-typed", action="store_true", default=None)
-    ap.add_argument("--fp16-only", action="store_true")
-    ap.add_argument("--workspace", type=float, default=None, help="GiB (default: free GPU memory)")
-    ap.add_argument("--timing-cache", default=None)
-    ap.add_argument("--plugins", action="append", default=[], metavar="LIB.so",
-                    help="plugin library to load (repeatable), e.g. one providing EfficientNMSX_TRT")
-    ap.add_argument("--graph", action="store_true",
-                    help="build with detailed profiling verbosity and write X.engine.layer.json (IEngineInspector)")
-    ap.add_argument("--verbose", action="store_true")
-    a = ap.parse_args()
-    run_cli(lambda: print(build_engine(a.onnx, a.engine, min_batch=a.min, opt_batch=a.opt, max_batch=a.max,
-                                       imgsz=a.imgsz, strongly_typed=a.strongly_typed, int8=not a.fp16_only,
-                                       workspace_gib=a.workspace, timing_cache=a.timing_cache, plugins=a.plugins,
-                                       layer_info=a.graph, verbose=a.verbose),
-                          file=sys.stdout))

@@ -7,13 +7,11 @@ ONNX (Q/DQ nodes, ``--half``), and its ``--stronglyTyped``, ``--useCudaGraph``, 
 so they are not passed there. Plugin libraries go to ``--staticPlugins`` (``--plugins`` is deprecated).
 Sources for every flag: docs/TENSORRT.md, "TensorRT API, flags and plugins used".
 
-``python3 -m utils.qat.trtexec build ONNX ENGINE [...]`` is what ``scripts/generate_trt_engine.sh``
-runs, so the flags live here only. ``parse`` turns a saved trtexec log into JSON.
+:func:`build_engine` is what ``scripts/generate_trt_engine.sh`` runs (through ``scripts/trtexec_cli.py build``),
+so the flags live here only; :func:`parse_trtexec_output` turns a saved trtexec log into a dict.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import re
 import shlex
@@ -24,11 +22,12 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence, Union
 
 from utils.qat.atomic import write_text
-from utils.qat.errors import QATError, run_cli
+from utils.qat.errors import QATError
+from utils.qat.trt_common import (INSTALL_TENSORRT, check_plugin_files, installed_version, profile_shapes,
+                                  read_image_input, require_onnx, version_tuple)
 
 PathLike = Union[str, "os.PathLike[str]"]
 SEARCH_DIRS: tuple[str, ...] = ("/usr/src/tensorrt/bin", "/opt/tensorrt/bin")
-INSTALL_TENSORRT = "./install_dependencies.sh --tensorrt"
 #: Benchmark flags for TensorRT <= 10; on 11 they are deprecated no-ops (CUDA graphs, spin wait and no data
 #: transfers are the defaults: samples/common/sampleOptions.cpp of v11.0 and v11.1).
 BENCH_FLAGS = ("--useCudaGraph", "--useSpinWait", "--noDataTransfers")
@@ -53,7 +52,7 @@ def find_trtexec(search_dirs: Sequence[str] = SEARCH_DIRS) -> Path:
     raise QATError(f"trtexec was not found on PATH nor in {' or '.join(search_dirs)}: it ships with the TensorRT "
                    f"tarball, its Debian/RPM packages and the NGC containers (not with the pip wheels that "
                    f"{INSTALL_TENSORRT} installs), so put it on PATH or set TRTEXEC=/path/to/trtexec, or build with "
-                   f"the Python API instead (python3 -m utils.qat.trt_engine ONNX ENGINE --imgsz N).")
+                   f"the Python API instead (python3 scripts/build_engine.py ONNX ENGINE --imgsz N).")
 
 
 def decode_version_tag(tag: int) -> str:
@@ -74,15 +73,6 @@ def parse_version_text(text: str) -> str | None:
         return m.group(1)
     t = _VERSION_TAG.search(text)
     return decode_version_tag(int(t.group(1))) if t else None
-
-
-def version_tuple(version: str | Sequence[int]) -> tuple[int, int]:
-    if isinstance(version, str):
-        m = re.match(r"\s*(\d+)(?:\.(\d+))?", version)
-        if not m:
-            raise QATError(f"cannot read a TensorRT version from {version!r}; pass it as MAJOR.MINOR, e.g. 10.3.")
-        return int(m.group(1)), int(m.group(2) or 0)
-    return int(version[0]), int(version[1]) if len(version) > 1 else 0
 
 
 def trtexec_version(trtexec: PathLike) -> str | None:
@@ -319,97 +309,50 @@ def parse_trtexec_output(text: str) -> dict[str, Any]:
     return res
 
 
-# ----------------------------------------------------------------------------- the build CLI
-def _onnx_input(onnx: Path) -> tuple[str, list[int | None]]:
-    """Name and dims (None = dynamic) of the ONNX image input; ("images", [None, 3, None, None]) without onnx."""
-    try:
-        import onnx as onnx_pkg
-    except ImportError:
-        return "images", [None, 3, None, None]
-    return image_input(onnx_pkg.load(str(onnx), load_external_data=False), onnx)
+# ----------------------------------------------------------------------------- building an engine
+def build_engine(onnx: PathLike, engine: PathLike, *, min_batch: int = 1, opt_batch: int | None = None,
+                 max_batch: int = 16, imgsz: int | None = None, fp16_only: bool = False, strongly_typed: bool = False,
+                 graph: bool = False, timing_cache: PathLike | None = None, workspace_mib: int | None = None,
+                 plugins: Sequence[PathLike] = (), trt_version: str | None = None, extra: Sequence[str] = (),
+                 dry_run: bool = False, echo: bool = True) -> list[str]:
+    """Build ``engine`` from ``onnx`` with trtexec, flags chosen for its TensorRT version; return the command.
 
-
-def image_input(model: Any, source: PathLike = "the ONNX") -> tuple[str, list[int | None]]:
-    """Name and dims (None = dynamic) of a loaded ONNX model's one image input."""
-    inits = {i.name for i in model.graph.initializer}
-    inputs = [i for i in model.graph.input if i.name not in inits]
-    if len(inputs) != 1:
-        raise QATError(f"{source} has {len(inputs)} inputs; expected one image input: re-export it with export_qat.py.")
-    dims = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None
-            for d in inputs[0].type.tensor_type.shape.dim]
-    return inputs[0].name, dims
-
-
-def resolve_shapes(dims: Sequence[int | None], *, min_batch: int, opt_batch: int, max_batch: int,
-                   imgsz: int | None) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None:
-    """min/opt/max shapes for the ONNX input dims, or None when the input is fully static."""
-    if len(dims) != 4:
-        raise QATError(f"the ONNX image input has {len(dims)} dims; expected B x C x H x W: re-export it.")
-    b, c, h, w = dims
-    if c is None:
-        raise QATError("the ONNX image input has a dynamic channel dimension; re-export it with export_qat.py.")
-    if h is None or w is None:
-        if imgsz is None:
-            raise QATError("the ONNX input has dynamic height/width: pass --imgsz N to fix the engine's image size.")
-        h = w = imgsz
-    elif imgsz is not None and (h, w) != (imgsz, imgsz):
-        raise QATError(f"the ONNX input is fixed at {h}x{w} but --imgsz {imgsz} was given; re-export with "
-                       f"--imgsz {imgsz} (or drop --imgsz).")
-    if b is not None:
-        if all(d is not None for d in dims):
-            return None
-        min_batch = opt_batch = max_batch = b
-    if not 1 <= min_batch <= opt_batch <= max_batch:
-        raise QATError(f"batch sizes must satisfy 1 <= min <= opt <= max, got {min_batch}/{opt_batch}/{max_batch}; "
-                       f"fix --min/--opt/--max.")
-    return (min_batch, c, h, w), (opt_batch, c, h, w), (max_batch, c, h, w)
-
-
-def _python_trt_version() -> str | None:
-    try:
-        import tensorrt
-    except (ImportError, OSError):
-        return None
-    version = getattr(tensorrt, "__version__", None)  # None for an empty package (e.g. only tensorrt-stubs)
-    return str(version) if version else None
-
-
-def cmd_build(a: argparse.Namespace) -> None:
-    onnx, engine = Path(a.onnx), Path(a.engine)
-    if not onnx.is_file():
-        raise QATError(f"ONNX file {onnx} not found; export it first with "
-                       f"python3 export_qat.py --weights W --include onnx --dynamic --simplify.")
+    The engine is written atomically (trtexec writes a hidden ``.X.engine.PID.part`` that is renamed into
+    place), with ``X.engine.json`` (:func:`utils.qat.trt_engine.write_engine_metadata`) and trtexec's log
+    ``X.engine.build.log``; ``graph`` adds ``X.engine.layer.json`` and ``X.engine.profile.json``. ``trt_version``:
+    the TensorRT version of trtexec (default: asked from it). ``dry_run``: only work out the command (no trtexec
+    needed when ``trt_version`` is given). ``echo``: stream trtexec's output (it is logged anyway).
+    """
+    onnx, engine = Path(onnx), Path(engine)
+    require_onnx(onnx)
     if engine.suffix == ".onnx" or engine.resolve() == onnx.resolve():
         raise QATError(f"the engine path {engine} would overwrite the ONNX; name it X.engine.")
-    trtexec = Path("trtexec") if a.dry_run and a.trt_version else find_trtexec()
-    version = a.trt_version or trtexec_version(trtexec) or _python_trt_version()
+    trtexec = Path("trtexec") if dry_run and trt_version else find_trtexec()
+    version = trt_version or trtexec_version(trtexec) or installed_version()
     if version is None:
         raise QATError(f"cannot tell which TensorRT {trtexec} belongs to; pass --trt-version MAJOR.MINOR.")
-    name, dims = _onnx_input(onnx)
-    opt = a.opt if a.opt is not None else a.max
-    shapes = resolve_shapes(dims, min_batch=a.min, opt_batch=opt, max_batch=a.max, imgsz=a.imgsz)
+    name, dims = read_image_input(onnx)
+    opt = opt_batch if opt_batch is not None else max_batch
+    shapes = profile_shapes(dims, min_batch=min_batch, opt_batch=opt, max_batch=max_batch, imgsz=imgsz, name=name)
     major, minor = version_tuple(version)
-    check_plugins(onnx, a.plugins, (major, minor))
-    fp16_only = a.fp16_only
+    check_plugins(onnx, plugins, (major, minor))
     if major >= 11 and fp16_only:
         print("note: TensorRT 11 builds strongly typed: an FP16 baseline needs an ONNX exported with --half "
               "(precisions come from the ONNX); --fp16-only changes no flag here.", file=sys.stderr)
     tmp = engine.with_name(f".{engine.name}.{os.getpid()}.part")
-    cmd = build_command(onnx, engine if a.dry_run else tmp, version=version, int8=not fp16_only, fp16=True,
-                        strongly_typed=a.strongly_typed, input_name=name,
+    cmd = build_command(onnx, engine if dry_run else tmp, version=version, int8=not fp16_only, fp16=True,
+                        strongly_typed=strongly_typed, input_name=name,
                         min_shape=shapes[0] if shapes else None, opt_shape=shapes[1] if shapes else None,
                         max_shape=shapes[2] if shapes else None,
-                        timing_cache=a.timing_cache or f"{engine}.timing.cache", workspace_mib=a.workspace_mib,
-                        graph_prefix=engine if a.graph else None, plugins=a.plugins, extra=a.extra,
-                        trtexec=trtexec)
-    if a.dry_run:
-        print(shlex.join(cmd))
-        return
+                        timing_cache=timing_cache or f"{engine}.timing.cache", workspace_mib=workspace_mib,
+                        graph_prefix=engine if graph else None, plugins=plugins, extra=extra, trtexec=trtexec)
+    if dry_run:
+        return cmd
     engine.parent.mkdir(parents=True, exist_ok=True)
     log = Path(f"{engine}.build.log")
     print(f"building {engine} with TensorRT {version}: {shlex.join(cmd)}", file=sys.stderr)
     try:
-        rc, text = run_trtexec(cmd, log_path=log, echo=not a.quiet)
+        rc, text = run_trtexec(cmd, log_path=log, echo=echo)
         if rc != 0 or not tmp.is_file():
             errs = [_strip(line) for line in text.splitlines() if "[E]" in line or "Error" in line][:1]
             why = f": {errs[0]}" if errs else ""
@@ -422,23 +365,18 @@ def cmd_build(a: argparse.Namespace) -> None:
     h, w = (shapes[0][2], shapes[0][3]) if shapes else (dims[2], dims[3])
     batch = {"min": shapes[0][0], "opt": shapes[1][0], "max": shapes[2][0]} if shapes else \
         ({"min": dims[0], "opt": dims[0], "max": dims[0]} if dims[0] else None)
-    flags = precision_flags(version, int8=not fp16_only, fp16=True, strongly_typed=a.strongly_typed)
+    flags = precision_flags(version, int8=not fp16_only, fp16=True, strongly_typed=strongly_typed)
     write_engine_metadata(engine, onnx, tensorrt_version=built, builder="trtexec", imgsz=[h, w] if h and w else None,
-                          batch=batch, strongly_typed=major >= 11 or bool(a.strongly_typed),
+                          batch=batch, strongly_typed=major >= 11 or bool(strongly_typed),
                           precision_flags=[f[2:].upper() for f in flags if f in ("--fp16", "--int8")])
-    print(f"engine: {engine}")
-    if a.graph:
-        print(f"layer info: {engine}.layer.json\nprofile: {engine}.profile.json")
+    return cmd
 
 
 def check_plugins(onnx: Path, plugins: Sequence[PathLike], version: tuple[int, int]) -> None:
     """Before a (long) build: the plugin libraries exist, and a graph needing a plugin TensorRT does not ship
     (EfficientNMSX_TRT) has one; trtexec registers TensorRT's own plugins itself."""
     from utils.qat.trt_engine import THIRD_PARTY_PLUGINS, onnx_metadata, plugin_hint
-    for p in plugins:
-        if not Path(p).is_file():
-            raise QATError(f"plugin library {p} not found; pass the .so file that provides the plugin with "
-                           f"--plugins PATH.")
+    check_plugin_files(plugins)
     needed = [p["name"] for p in onnx_metadata(onnx)["plugins"]]
     third = [n for n in needed if n in THIRD_PARTY_PLUGINS]
     if third and not plugins:
@@ -447,59 +385,3 @@ def check_plugins(onnx: Path, plugins: Sequence[PathLike], version: tuple[int, i
     if version >= (10, 12) and "EfficientNMS_TRT" in needed:
         print("note: EfficientNMS_TRT is deprecated since TensorRT 10.12; export with --nms onnx for TensorRT's "
               "native NMS layer.", file=sys.stderr)
-
-
-def cmd_check(_a: argparse.Namespace) -> None:
-    """What val_trt.sh needs before a long export: trtexec and the TensorRT Python package."""
-    exe = find_trtexec()
-    from utils.qat.trt_engine import trt_version_string
-    python_version = trt_version_string()
-    print(f"trtexec: {exe}\ntrtexec version: {trtexec_version(exe) or python_version}\ntensorrt: {python_version}")
-
-
-def cmd_parse(a: argparse.Namespace) -> None:
-    p = Path(a.log)
-    if not p.is_file():
-        raise QATError(f"log file {p} not found; save trtexec's output with `trtexec ... | tee LOG`.")
-    print(json.dumps(parse_trtexec_output(p.read_text(errors="replace")), indent=2))
-
-
-def get_args_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python3 -m utils.qat.trtexec", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("build", help="build an engine from an ONNX with trtexec (TensorRT-version-aware flags)")
-    b.add_argument("onnx")
-    b.add_argument("engine")
-    b.add_argument("--min", type=int, default=1, help="min batch of the profile (default 1)")
-    b.add_argument("--opt", type=int, default=None, help="opt batch (default: --max)")
-    b.add_argument("--max", type=int, default=16, help="max batch (default 16)")
-    b.add_argument("--imgsz", type=int, default=None, help="image size for dynamic H/W inputs")
-    b.add_argument("--fp16-only", action="store_true", help="FP16 baseline: no --int8 (TensorRT <= 10)")
-    b.add_argument("--strongly-typed", action="store_true", help="--stronglyTyped on TensorRT 10 (always on 11)")
-    b.add_argument("--graph", action="store_true", help="also export X.engine.layer.json and X.engine.profile.json")
-    b.add_argument("--timing-cache", default=None, help="timing cache file (default: X.engine.timing.cache)")
-    b.add_argument("--workspace-mib", type=int, default=None, help="workspace pool limit (default: trtexec's)")
-    b.add_argument("--plugins", action="append", default=[], metavar="LIB.so",
-                   help="plugin library for trtexec --staticPlugins (repeatable), e.g. one providing EfficientNMSX_TRT")
-    b.add_argument("--trt-version", default=None, help="TensorRT version of trtexec (default: asked from it)")
-    b.add_argument("--dry-run", action="store_true", help="print the trtexec command and exit")
-    b.add_argument("--quiet", action="store_true", help="do not echo trtexec's output (it is logged anyway)")
-    b.add_argument("extra", nargs="*", help="more trtexec flags, after --")
-    b.set_defaults(func=cmd_build)
-    sub.add_parser("find", help="print where trtexec is").set_defaults(func=lambda a: print(find_trtexec()))
-    sub.add_parser("check", help="check trtexec and the TensorRT Python package").set_defaults(func=cmd_check)
-    p = sub.add_parser("parse", help="parse a saved trtexec log into JSON")
-    p.add_argument("log")
-    p.set_defaults(func=cmd_parse)
-    return ap
-
-
-def main(args: argparse.Namespace) -> None:
-    from utils.qat.validate import check_args
-    check_args(args)
-    args.func(args)
-
-
-if __name__ == "__main__":
-    run_cli(lambda: main(get_args_parser().parse_args()))

@@ -87,7 +87,7 @@ FLAGS: dict[str, Range] = {
     "--opset": Range(13, 20, hint="e.g. 17"),
     # reparameterization.py
     "--classes_num": Range(1),
-    # TensorRT engines and benchmarks (python3 -m utils.qat.trtexec build, scripts/benchmark_trt.py)
+    # TensorRT engines and benchmarks (scripts/trtexec_cli.py build, scripts/benchmark_trt.py)
     "--min": Range(1),
     "--opt": Range(1),
     "--max": Range(1),
