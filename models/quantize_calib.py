@@ -97,7 +97,8 @@ def histogram_amax(calibrator: HistogramCalibrator, method: str, percentile: flo
     return torch.as_tensor(calibrator.compute_amax(method, **kwargs), dtype=torch.float32)
 
 
-def mse_amax(hist, edges, num_bits: int = 8, unsigned: bool = False, start_bin: int = 128) -> torch.Tensor:
+def mse_amax(hist: torch.Tensor, edges: torch.Tensor, num_bits: int = 8, unsigned: bool = False,
+             start_bin: int = 128) -> torch.Tensor:
     """The clipping value (a bin centre from ``start_bin`` on) minimising the histogram-weighted
     squared error of symmetric fake quantization of |x|."""
     counts = torch.as_tensor(hist).detach().cpu().double().flatten()

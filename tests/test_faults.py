@@ -50,6 +50,12 @@ def _group_gone(pgid: int, seconds: float) -> bool:
     return False
 
 
+def _sigint_default() -> None:
+    """In the child: SIGINT back to its default, so that Python turns it into KeyboardInterrupt even when the
+    suite itself runs with SIGINT ignored (a background job of a non-interactive shell, e.g. ``.ci/run &``)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _interrupted_runs(tree: Path, shapes: Path, project: Path, sig: signal.Signals, workers: int = 0) -> dict:
     """One run per stage, side by side (one thread each), each stopped at its stage and sent ``sig``. Returns
     stage -> (run folder, exit status, stderr). Output goes to files: a pipe would also wait for any process
@@ -60,7 +66,7 @@ def _interrupted_runs(tree: Path, shapes: Path, project: Path, sig: signal.Signa
         with open(log, "w") as err:
             procs[stage] = (mark, log, subprocess.Popen(
                 _command(shapes, project, stage, workers), cwd=tree, start_new_session=True,
-                stdout=subprocess.DEVNULL, stderr=err,
+                preexec_fn=_sigint_default, stdout=subprocess.DEVNULL, stderr=err,
                 env=_env(YOLOV9_QAT_TEST_PAUSE=stage, YOLOV9_QAT_TEST_MARK=str(mark), OMP_NUM_THREADS="1")))
     results = {}
     try:
