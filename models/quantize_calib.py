@@ -41,9 +41,10 @@ def calibrate(model: nn.Module, batches: Iterable[torch.Tensor], config: QuantCo
     """
     if not distributed.active():
         return _calibrate(model, batches, config, example, num_batches)
-    groups = _calibrate(model, batches, config, example, num_batches) if distributed.is_main() else None
-    groups, amax = distributed.broadcast_object((groups, amax_state(model) if distributed.is_main() else None))
-    if not distributed.is_main():
+    main = distributed.is_main()
+    groups = _calibrate(model, batches, config, example, num_batches) if main else []
+    groups, amax = distributed.broadcast_object((groups, amax_state(model) if main else {}))
+    if not main:
         load_amax(model, amax)
     distributed.check_identical(amax_vector(model), "quantizer amax values after calibration")
     return groups

@@ -11,6 +11,7 @@ import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -20,6 +21,7 @@ from utils.qat.errors import QATError
 # Rank 0 evaluates (minutes on full COCO) while the others wait at a barrier: 3 hours, as YOLOv5 and
 # ultralytics use (torch's default limit, minutes, could end the wait of a long evaluation).
 TIMEOUT = timedelta(hours=3)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -157,7 +159,7 @@ def check_identical(t: torch.Tensor, what: str) -> None:
         raise RuntimeError(f"{what} differ between ranks at {n} of {flat.numel()} values")
 
 
-def broadcast_object(obj: object) -> object:
+def broadcast_object(obj: T) -> T:
     """Rank 0's ``obj`` (picklable) on every rank; ``obj`` itself for a single process."""
     if not active():
         return obj
