@@ -78,16 +78,15 @@ def main(args: argparse.Namespace) -> list[dict]:
     from utils.qat import checkpoint
     from utils.qat.device import select_device
     from utils.qat.onnx_export import export_onnx, format_report, load_for_export, parse_imgsz
-    from utils.qat.validate import check_args
+    from utils.qat.validate import check_args, image_size
     check_args(args)
+    image_size(args.imgsz, "--imgsz")  # before the (slow) model load
     weights = Path(args.weights)
     if "onnx_end2end" in args.include:  # cheap argument checks before the (slow) model load
         from utils.qat.end2end import NMSOptions
         NMSOptions(backend=args.nms, topk_all=args.topk_all, iou_thres=args.iou_thres, conf_thres=args.conf_thres,
                    mask_resolution=args.mask_resolution, pooler_scale=args.pooler_scale,
                    sampling_ratio=args.sampling_ratio).check()
-    if len(args.imgsz) > 2:
-        raise QATError(f"--imgsz takes one or two sizes (N or H W), got {' '.join(map(str, args.imgsz))}.")
     ckpt = checkpoint.read(weights)
     task = checkpoint.task_of(ckpt)
     if "onnx_end2end" in args.include and task not in ("detect", "segment"):

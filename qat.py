@@ -11,25 +11,20 @@ from utils.qat import compat
 compat.apply()
 
 import argparse  # noqa: E402
-import copy  # noqa: E402
-import functools  # noqa: E402
 import json  # noqa: E402
-import os  # noqa: E402
-import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import TYPE_CHECKING  # noqa: E402
 
 
 from utils.qat import checkpoint, distributed, reports, validate  # noqa: E402
-from utils.qat.backends import TorchBackend  # noqa: E402
-from utils.qat.data import check_imgsz, data_argument, dataloader, images_only, labelled, load_data_yaml, load_hyp  # noqa: E402
+from utils.qat.data import check_imgsz, data_argument, load_data_yaml, load_hyp  # noqa: E402
 from utils.qat.device import select_device  # noqa: E402
 from utils.qat.errors import QATError, run_cli  # noqa: E402
-from utils.qat.evaluate import evaluate  # noqa: E402
 
 if TYPE_CHECKING:
+    from models.quantize_config import QuantConfig
     from models.quantize_finetune import QATConfig
-
+    from utils.qat.pipeline import Evaluation
 
 
 def _common(p: argparse.ArgumentParser, project: str) -> None:
@@ -47,7 +42,7 @@ def _common(p: argparse.ArgumentParser, project: str) -> None:
 
 
 def _calibration(p: argparse.ArgumentParser) -> None:
-    from models.quantize_defaults import CALIB_METHODS, DEFAULT_CALIB_METHOD, DEFAULT_PERCENTILE
+    from models.quantize_config import CALIB_METHODS, DEFAULT_CALIB_METHOD, DEFAULT_PERCENTILE
     p.add_argument("--calib-method", choices=CALIB_METHODS, default=DEFAULT_CALIB_METHOD,
                    help="activation calibration (weights are always per-channel max)")
     p.add_argument("--percentile", type=float, default=DEFAULT_PERCENTILE, help="for --calib-method percentile")
@@ -123,6 +118,7 @@ def get_args_parser(task: str = "detect", prog: str = "qat.py", description: str
     _calibration(s)
     s.add_argument("--num-image", type=int, default=None, help="evaluate on the first N validation images")
     s.add_argument("--top", type=int, default=10, help="layers shown in the table and the suggested skip list")
+    s.set_defaults(conf_thres=0.001, iou_thres=0.7)  # scored at quantize's evaluation thresholds (no flags)
 
     e = sub.add_parser("eval", help="evaluate a quantized checkpoint (or an FP one with --allow-fp)")
     _common(e, f"{runs}_eval")
@@ -134,24 +130,17 @@ def get_args_parser(task: str = "detect", prog: str = "qat.py", description: str
     return parser
 
 
-def _evaluator(task: str):
-    """The evaluation loop of a task: box mAP, or box + mask mAP for segmentation."""
-    if task == "segment":
-        from utils.qat.evaluate_seg import evaluate_seg
-        return evaluate_seg
-    return evaluate
+def quant_config(args) -> QuantConfig:
+    """The calibration settings of a ``quantize`` or ``sensitive`` command line."""
+    from models.quantize_config import QuantConfig
+    return QuantConfig(method=args.calib_method, percentile=args.percentile,
+                       skip=tuple(getattr(args, "skip_layers", "").split(",")))
 
 
-def _backend(model, device, args) -> TorchBackend:
-    return TorchBackend(model, device, task=args.task)
-
-
-def _score(backend, data, args, desc: str, num_images: int | None = None):
-    start = time.time()
-    m = _evaluator(args.task)(backend, data, imgsz=args.imgsz, batch_size=args.batch_size,
-                              conf_thres=getattr(args, "conf_thres", 0.001), iou_thres=getattr(args, "iou_thres", 0.7),
-                              workers=args.workers, num_images=num_images, desc=desc)
-    return m, time.time() - start
+def _score(args, data: dict, device) -> Evaluation:
+    from utils.qat.pipeline import Evaluation
+    return Evaluation(data, imgsz=args.imgsz, batch_size=args.batch_size, device=device, task=args.task,
+                      conf_thres=args.conf_thres, iou_thres=args.iou_thres, workers=args.workers)
 
 
 def _data(args, splits: tuple[str, ...]) -> dict:
@@ -162,50 +151,6 @@ def _data(args, splits: tuple[str, ...]) -> dict:
         from utils.qat.data import check_polygons
         check_polygons(data, ("val",))
     return data
-
-
-def _epoch_record(m) -> dict:
-    """Per-epoch numbers for report.json (segmentation: the mask AP ranks, the box AP is kept beside it)."""
-    record = {"AP": round(m.mAP50_95, 4), "AP50": round(m.mAP50, 4)}
-    if hasattr(m, "box"):
-        record.update(box_AP=round(m.box.mAP50_95, 4), box_AP50=round(m.box.mAP50, 4))
-    return record
-
-
-def _print_table(rows: list[dict]) -> None:
-    print()
-    print(reports.table(rows))
-    diff = reports.deltas(rows)
-    if diff:
-        print()
-        print(reports.table(diff, first="Comparison"))
-
-
-def _calibrated(fp_model, data, args, device, skip=(), launch=None):
-    """PTQ with the command line's settings (``utils.qat.pipeline.ptq``). Returns (model, info)."""
-    from utils.qat.pipeline import ptq
-    world, local_rank = (launch.world_size, launch.local_rank) if launch else (1, -1)
-    qmodel, info = ptq(fp_model, data, imgsz=args.imgsz, batch_size=args.batch_size, device=device,
-                       method=args.calib_method, percentile=args.percentile, skip=skip,
-                       calib_batches=args.calib_batches, workers=args.workers, world_size=world, local_rank=local_rank)
-    _dump_amax(qmodel)
-    return qmodel, info
-
-
-def _dump_amax(qmodel) -> None:
-    """With YOLOV9_QAT_AMAX_DUMP=<folder>, every process writes its calibrated amax values (quantizer name ->
-    list) to <folder>/amax_rank<r>.json: how benchmarks/ddp.py compares ranks and runs. Off by default."""
-    folder = os.environ.get("YOLOV9_QAT_AMAX_DUMP")
-    if not folder:
-        return
-    from models.quantize_state import amax_table
-    from utils.qat.atomic import write_text
-    write_text(Path(folder) / f"amax_rank{distributed.rank()}.json", json.dumps(amax_table(qmodel)))
-
-
-def _copy_atomic(src: Path, dest: Path) -> None:
-    from utils.qat.atomic import copy_file
-    copy_file(src, dest)
 
 
 def cmd_quantize(args) -> Path | None:
@@ -222,115 +167,28 @@ def cmd_quantize(args) -> Path | None:
 
 
 def _quantize(args, device, launch) -> Path | None:
-    """PTQ, then QAT. Rank 0 (or the single process) evaluates, writes every file and prints; the other
-    ranks calibrate and train on their shards, and wait at barriers while rank 0 evaluates."""
-    from models.qat_objectives import needs_labels
-    from models.quantize import fuse
-    from models.quantize_finetune import finetune
-    from utils.general import init_seeds
-    world, local_rank = (launch.world_size, launch.local_rank) if launch else (1, -1)
-    fp = checkpoint.load_fp(args.weights, task=args.task)
-    validate.skip_layers(fp, args.skip_layers)  # before any evaluation
-    data = _data(args, ("train", "val"))
-    hyp = load_hyp(args.hyp)
-    stride = int(fp.stride.max())
-    args.imgsz = check_imgsz(args.imgsz, stride)
-    init_seeds(args.seed)
-    skip = [s for s in args.skip_layers.split(",") if s.strip()]
-    run = _Run(args, data, device, world) if distributed.is_main() else None
-    if run and not args.no_eval_origin:
-        run.origin(fp)
-
-    start = time.time()
-    qmodel, info = _calibrated(fp, data, args, device, skip, launch)
-    if run:
-        run.ptq(qmodel, info, calibration_seconds=time.time() - start)
-
-    if not args.ptq_only:
-        config = qat_config(args)
-        labels = needs_labels(config.objective)
-        loader, _ = dataloader(data, "train", args.imgsz, args.batch_size // world, stride, workers=args.workers,
-                               rect=False, shuffle=True, hyp=hyp, prefix="QAT: ", local_rank=local_rank,
-                               masks=labels and args.task == "segment")
-        teacher = fuse(copy.deepcopy(fp))
-        finetune(qmodel, teacher, lambda: (labelled if labels else images_only)(loader, device), config,
-                 device=device, hyp=hyp,
-                 on_epoch_start=loader.sampler.set_epoch if launch else None,
-                 on_epoch_end=functools.partial(run.epoch_end, qmodel, info) if run else None,
-                 scale_groups=info.scale_groups)
-    return run.finish(qat=not args.ptq_only) if run else None
-
-
-class _Run:
-    """The evaluating and writing side of ``quantize`` (rank 0 of a multi-GPU run): the run folder, the
-    checkpoints, report.json / report.md kept current after every stage, and the tables printed."""
-
-    def __init__(self, args, data: dict, device, world: int):
-        self.args, self.data, self.device = args, data, device
-        self.out = reports.run_dir(args.project, args.name, args.exist_ok)
-        self.wdir = self.out / "weights"
-        self.wdir.mkdir(exist_ok=True)
-        self.stem = Path(args.weights).stem
-        reports.replace_previous_run(self.out, self.stem)
-        self.title = f"yolov9-qat: {Path(args.weights).name} on {Path(args.data).name} at {args.imgsz}px"
-        self.rows: list[dict] = []
-        self.epochs: list[dict] = []
-        self.meta: dict = {"world_size": world}
-        self.best_path = self.wdir / f"qat_best_{self.stem}.pt"
-        self.ptq_ap: float | None = None
-        self.best_ap: float | None = None
-        self.best_epoch, self.best_row = 0, None
-
-    def save_report(self) -> None:
-        reports.write_report(self.out, self.rows, self.epochs, self.title, **self.meta)
-
-    def origin(self, fp) -> None:
-        m, sec = _score(_backend(fp, self.device, self.args), self.data, self.args, "Origin")
-        self.rows.append(reports.entry("Origin", self.args.weights, m, sec))
-        self.save_report()
-
-    def ptq(self, qmodel, info, calibration_seconds: float) -> None:
-        self.meta["calibration_seconds"] = round(calibration_seconds, 1)
-        if not self.args.no_eval_ptq:
-            m, sec = _score(_backend(qmodel, self.device, self.args), self.data, self.args, "PTQ")
-            self.ptq_ap = self.best_ap = m.mAP50_95
-            path = self.wdir / f"ptq_ap_{m.mAP50_95:.4f}_{self.stem}.pt"
-            self.rows.append(reports.entry("PTQ", path, m, sec, calib_method=info.calib_method))
-        else:
-            path = self.wdir / f"ptq_{self.stem}.pt"
-        checkpoint.save_quantized(path, qmodel, info, epoch=0, metrics=self.rows[-1] if self.ptq_ap is not None else None,
-                                  task=self.args.task)
-        self.save_report()
-        print(f"PTQ model saved to {path}")
-        if self.ptq_ap is not None and not self.args.ptq_only:
-            _copy_atomic(path, self.best_path)  # the starting point counts: fine-tuning must beat it
-
-    def epoch_end(self, qmodel, info, result) -> None:
-        epoch = result.epoch + 1
-        m, sec = _score(_backend(qmodel, self.device, self.args), self.data, self.args, f"QAT epoch {epoch}")
-        path = self.wdir / f"qat_ep_{epoch}_ap_{m.mAP50_95:.4f}_{self.stem}.pt"
-        row = reports.entry(f"QAT epoch {epoch}", path, m, sec)
-        checkpoint.save_quantized(path, qmodel, info, epoch=epoch, metrics=row, task=self.args.task)
-        self.epochs.append({"epoch": epoch, **_epoch_record(m), "loss": result.loss, "loss_terms": result.terms,
-                            "steps": result.steps, "train_seconds": round(result.seconds, 1), "weights": str(path)})
-        if self.best_ap is None or m.mAP50_95 > self.best_ap:
-            self.best_ap, self.best_epoch, self.best_row = m.mAP50_95, epoch, row
-            _copy_atomic(path, self.best_path)
-        self.save_report()
-
-    def finish(self, qat: bool) -> Path:
-        if qat:
-            if self.best_row is not None:
-                self.rows.append({**self.best_row, "name": "QAT", "weights": str(self.best_path), "epoch": self.best_epoch})
-            elif self.ptq_ap is not None:
-                ptq_row = next(r for r in self.rows if r["name"] == "PTQ")
-                self.rows.append({**ptq_row, "name": "QAT", "weights": str(self.best_path), "epoch": 0,
-                                  "note": "no fine-tuning epoch beat the calibrated model; qat_best is the PTQ model"})
-            self.save_report()
-            print(f"best QAT model (epoch {self.best_epoch}) saved to {self.best_path}")
-        _print_table(self.rows)
-        print(f"\nresults in {self.out}: report.md, report.json{', qat_ap.png' if self.epochs else ''}, weights/")
-        return self.out
+    """PTQ, then QAT (``utils.qat.pipeline.qat``). Rank 0 (or the single process) evaluates, writes every
+    file and prints (the recorder); the other ranks train on their shards and wait while rank 0 works."""
+    from utils.qat.pipeline import qat
+    from utils.qat.run_record import RunRecorder
+    with distributed.same_on_every_rank():  # the checks every rank makes alike: one error, printed once
+        fp = checkpoint.load_fp(args.weights, task=args.task)
+        validate.skip_layers(fp, args.skip_layers)  # before any evaluation
+        data = _data(args, ("train", "val"))
+        hyp = load_hyp(args.hyp)
+        args.imgsz = check_imgsz(args.imgsz, int(fp.stride.max()))
+    recorder = None
+    if distributed.is_main():
+        recorder = RunRecorder(reports.run_dir(args.project, args.name, args.exist_ok), args.weights,
+                               _score(args, data, device), arguments=vars(args), task=args.task,
+                               title=f"yolov9-qat: {Path(args.weights).name} on {Path(args.data).name} at {args.imgsz}px",
+                               world_size=launch.world_size if launch else 1,
+                               eval_origin=not args.no_eval_origin, eval_ptq=not args.no_eval_ptq)
+    qat(fp, data, quant_config(args), None if args.ptq_only else qat_config(args), imgsz=args.imgsz,
+        batch_size=args.batch_size, device=device, hyp=hyp, calib_batches=args.calib_batches, workers=args.workers,
+        task=args.task, seed=args.seed, world_size=launch.world_size if launch else 1,
+        local_rank=launch.local_rank if launch else -1, recorder=recorder)
+    return recorder.out if recorder else None
 
 
 def _one_process_device(spec: str, command: str, task: str = "detect"):
@@ -343,8 +201,8 @@ def _one_process_device(spec: str, command: str, task: str = "detect"):
 
 
 def cmd_sensitive(args) -> Path:
-    from models.quantize_state import enabled_quantizers, quantizers_off
     from utils.qat.atomic import write_text
+    from utils.qat.pipeline import sensitivity
     device = _one_process_device(args.device, "sensitive", args.task)
     fp = checkpoint.load_fp(args.weights, task=args.task)
     data = _data(args, ("train", "val"))
@@ -354,23 +212,13 @@ def cmd_sensitive(args) -> Path:
               "augmentation, as quantize does), so it is not used here.")
     args.imgsz = check_imgsz(args.imgsz, int(fp.stride.max()))
     out = reports.run_dir(args.project, args.name, args.exist_ok)
-    qmodel, info = _calibrated(fp, data, args, device)
-    backend = _backend(qmodel, device, args)
-    base, _ = _score(backend, data, args, "all layers INT8", args.num_image)
-    layers = []
-    for i, layer in enumerate(qmodel.model):
-        qs = enabled_quantizers(layer)
-        if not qs:
-            continue
-        with quantizers_off(qs):
-            m, _ = _score(backend, data, args, f"layer {i} in FP", args.num_image)
-        layers.append({"layer": i, "module": type(layer).__name__.removeprefix("Quant"), **_epoch_record(m),
-                       "gain": round(m.mAP50_95 - base.mAP50_95, 4)})
-    layers.sort(key=lambda r: r["AP"], reverse=True)
+    base, layers = sensitivity(fp, data, quant_config(args), _score(args, data, device),
+                               calib_batches=args.calib_batches, num_images=args.num_image)
     top = layers[:args.top]
     skip = ",".join(str(r["layer"]) for r in top if r["gain"] > 0)
-    summary = {"weights": args.weights, "task": args.task, "calib_method": info.calib_method, "num_image": base.images,
-               "ptq_AP": round(base.mAP50_95, 4), "layers": layers, "suggested_skip_layers": skip}
+    summary = {"weights": args.weights, "task": args.task, "calib_method": args.calib_method, "num_image": base.images,
+               "ptq_AP": round(base.mAP50_95, 4), "layers": layers, "suggested_skip_layers": skip,
+               "arguments": vars(args)}
     if args.task == "segment":
         summary["ptq_box_AP"] = round(base.box.mAP50_95, 4)
     write_text(out / "summary-sensitive-analysis.json", json.dumps(summary, indent=2))
@@ -387,11 +235,12 @@ def cmd_sensitive(args) -> Path:
 
 def cmd_eval(args) -> Path:
     from utils.qat.atomic import write_text
+    from utils.qat.run_record import print_table
     device = _one_process_device(args.device, "eval", args.task)
     ckpt = checkpoint.read(args.weights)
     if checkpoint.is_quantized(ckpt):
         model, info, _ = checkpoint.load_quantized(args.weights, task=args.task, ckpt=ckpt)
-        kind = f"INT8 ({info.calib_method})"
+        kind = f"INT8 ({info.config.method})"
     elif args.allow_fp:
         model, kind = checkpoint.load_fp(args.weights, task=args.task, ckpt=ckpt), "FP"
     else:
@@ -400,14 +249,11 @@ def cmd_eval(args) -> Path:
     data = _data(args, ("val",))
     args.imgsz = check_imgsz(args.imgsz, int(model.stride.max()))
     out = reports.run_dir(args.project, args.name, args.exist_ok)
-    start = time.time()
-    m = _evaluator(args.task)(_backend(model, device, args), data, imgsz=args.imgsz, batch_size=args.batch_size,
-                              conf_thres=args.conf_thres, iou_thres=args.iou_thres, workers=args.workers,
-                              num_images=args.num_image, save_json=out / "predictions.json" if args.save_json else None,
-                              desc=f"eval {kind}")
-    row = reports.entry(Path(args.weights).stem, args.weights, m, time.time() - start, kind=kind)
+    m, seconds = _score(args, data, device)(model, f"eval {kind}", num_images=args.num_image,
+                                            save_json=out / "predictions.json" if args.save_json else None)
+    row = reports.entry(Path(args.weights).stem, args.weights, m, seconds, kind=kind)
     write_text(out / "results.json", json.dumps({**row, **reports.per_class(m)}, indent=2))
-    _print_table([row])
+    print_table([row])
     print(f"\nresults in {out}/results.json")
     return out
 

@@ -33,17 +33,18 @@ compat.apply()
 
 import torch  # noqa: E402
 
-from models.qat_objectives import head_distillation, head_of, needs_labels  # noqa: E402
+from models.qat_objectives import head_distillation, head_of  # noqa: E402
 from models.quantize import fuse  # noqa: E402
-from models.quantize_finetune import QATConfig, finetune  # noqa: E402
+from models.quantize_config import QuantConfig  # noqa: E402
+from models.quantize_finetune import QATConfig  # noqa: E402
 from utils.qat import checkpoint  # noqa: E402
 from utils.qat.atomic import write_text  # noqa: E402
 from utils.qat.backends import TorchBackend  # noqa: E402
-from utils.qat.data import dataloader, images_only, labelled, load_data_yaml, load_hyp  # noqa: E402
+from utils.qat.data import dataloader, images_only, load_data_yaml, load_hyp  # noqa: E402
 from utils.qat.device import select_device  # noqa: E402
 from utils.qat.errors import QATError  # noqa: E402
 from utils.qat.evaluate import evaluate  # noqa: E402
-from utils.qat.pipeline import ptq  # noqa: E402
+from utils.qat.pipeline import finetune_stage, ptq  # noqa: E402
 
 
 def parse_recipe(text: str, epochs: int, iters: int) -> QATConfig:
@@ -132,7 +133,8 @@ def main(args) -> dict:
     save = lambda: (write_text(out / "results.json", json.dumps(results, indent=2)),  # noqa: E731
                     write_text(out / "results.md", render(results)))
     results["origin"] = evaluate(TorchBackend(fuse(copy.deepcopy(fp)), device), data, desc="Origin", **common).mAP50_95
-    qmodel, info = ptq(fp, data, method=args.calib_method, calib_batches=args.calib_batches, device=device, **common)
+    qmodel, info = ptq(fp, data, QuantConfig(method=args.calib_method), calib_batches=args.calib_batches, device=device,
+                       **common)
     results["ptq"] = evaluate(TorchBackend(qmodel, device), data, desc="PTQ", **common).mAP50_95
     teacher = fuse(copy.deepcopy(fp)).to(device)
     val, _ = dataloader(data, "val", args.imgsz, args.batch_size, stride, workers=args.workers, prefix="held-out: ")
@@ -141,9 +143,6 @@ def main(args) -> dict:
     for text, config in recipes:
         torch.manual_seed(args.seed)
         student = copy.deepcopy(qmodel)
-        labels = needs_labels(config.objective)
-        train, _ = dataloader(data, "train", args.imgsz, args.batch_size, stride, workers=args.workers, rect=False,
-                              shuffle=True, hyp=hyp, prefix="QAT: ")
         record: dict = {"recipe": text, "config": dataclasses.asdict(config), "epochs": []}
         results["recipes"].append(record)
 
@@ -155,8 +154,7 @@ def main(args) -> dict:
             save()
 
         start = time.time()
-        finetune(student, teacher, lambda: (labelled if labels else images_only)(train, device), config,
-                 device=device, hyp=hyp, on_epoch_end=epoch_end, scale_groups=info.scale_groups)
+        finetune_stage(student, fp, info, data, config, device=device, hyp=hyp, on_epoch_end=epoch_end, **common)
         record["seconds"] = round(time.time() - start, 1)
         save()
         del student

@@ -27,7 +27,7 @@ compat.apply()
 
 import torch  # noqa: E402
 
-from models.quantize_defaults import DEFAULT_CALIB_METHOD  # noqa: E402
+from models.quantize_config import DEFAULT_CALIB_METHOD, QuantConfig  # noqa: E402
 from utils.qat import checkpoint  # noqa: E402
 from utils.qat.atomic import write_text  # noqa: E402
 from utils.qat.backends import TorchBackend  # noqa: E402
@@ -97,7 +97,7 @@ def main(args) -> dict:
                      "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"}
     import copy
     results["origin"] = evaluate(TorchBackend(fuse(copy.deepcopy(fp)), device), data, desc="Origin", **common).mAP50_95
-    qmodel, _ = ptq(fp, data, method=args.calib_method, calib_batches=args.calib_batches, device=device, **common)
+    qmodel, _ = ptq(fp, data, QuantConfig(method=args.calib_method), calib_batches=args.calib_batches, device=device, **common)
     backend = TorchBackend(qmodel, device)
     results["ptq"] = evaluate(backend, data, desc="PTQ", **common).mAP50_95
     for name, qs in quantizer_groups(qmodel.model[index], f"model.{index}", args.per_level).items():

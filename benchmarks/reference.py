@@ -30,14 +30,14 @@ compat.apply()
 import torch  # noqa: E402
 
 import qat  # noqa: E402
-from models.quantize_defaults import CALIB_METHODS, DEFAULT_CALIB_METHOD  # noqa: E402
+from models.quantize_config import CALIB_METHODS, DEFAULT_CALIB_METHOD, QuantConfig  # noqa: E402
 from utils.qat import __version__, checkpoint, reports  # noqa: E402
 from utils.qat.atomic import write_text  # noqa: E402
 from utils.qat.backends import ORTBackend, TorchBackend  # noqa: E402
 from utils.qat.data import load_data_yaml  # noqa: E402
 from utils.qat.device import select_device  # noqa: E402
 from utils.qat.evaluate import evaluate  # noqa: E402
-from utils.qat.pipeline import ptq  # noqa: E402
+from utils.qat.pipeline import Evaluation, ptq, sensitivity  # noqa: E402
 
 STAGES = ("fp", "ptq", "qat", "sensitive", "qat_skip", "onnx")
 
@@ -189,7 +189,7 @@ def main(args) -> None:
     data = load_data_yaml(args.data, splits=("train", "val"))
     common = dict(imgsz=args.imgsz, batch_size=args.batch_size, workers=args.workers)
 
-    fp = checkpoint.load_fp(args.weights) if stages & {"fp", "ptq"} else None
+    fp = checkpoint.load_fp(args.weights) if stages & {"fp", "ptq", "sensitive"} else None
     if "fp" in stages:
         with bench.timed("eval FP"):
             from models.quantize import fuse
@@ -198,7 +198,8 @@ def main(args) -> None:
     if "ptq" in stages:
         for method in args.methods.split(","):
             with bench.timed(f"calibrate {method}"):
-                qmodel, _ = ptq(fp, data, method=method, calib_batches=args.calib_batches, device=device, **common)
+                qmodel, _ = ptq(fp, data, QuantConfig(method=method), calib_batches=args.calib_batches, device=device,
+                                **common)
             with bench.timed(f"eval PTQ {method}"):
                 bench.row(f"PTQ {method}", evaluate(TorchBackend(qmodel, device), data, desc=f"PTQ {method}", **common))
             del qmodel
@@ -221,14 +222,10 @@ def main(args) -> None:
 
     if "sensitive" in stages:
         with bench.timed("sensitivity analysis"):
-            argv = ["sensitive", "--weights", args.weights, "--data", args.data, "--imgsz", str(args.imgsz),
-                    "--batch-size", str(args.batch_size), "--workers", str(args.workers), "--calib-method",
-                    args.calib_method, "--project", str(Path(args.out) / "runs"), "--name", "sensitive", "--exist-ok"]
-            argv += ["--device", args.device] if args.device else []
-            argv += ["--num-image", str(args.num_image)] if args.num_image else []
-            run = qat.main(qat.get_args_parser().parse_args(argv))
-        summary = json.loads((run / "summary-sensitive-analysis.json").read_text())
-        bench.results["sensitive"] = {"top": summary["layers"][:5], "ptq_AP": summary["ptq_AP"]}
+            base, layers = sensitivity(fp, data, QuantConfig(method=args.calib_method),
+                                       Evaluation(data, device=device, **common), calib_batches=args.calib_batches,
+                                       num_images=args.num_image)
+        bench.results["sensitive"] = {"top": layers[:5], "ptq_AP": round(base.mAP50_95, 4)}
         bench.save()
 
     if "qat_skip" in stages:
@@ -245,7 +242,7 @@ def main(args) -> None:
         with bench.timed("export Q/DQ ONNX"):
             export_onnx(model, onnx_path, imgsz=(args.imgsz, args.imgsz), dynamic=True, simplify=not args.no_simplify,
                         metadata={"stride": int(model.stride.max()), "names": json.dumps(model.names), "task": "detect"})
-        findings = lint(onnx_path, allow_fp=["*dfl*", *(f"*/model.{i}/*" for i in info.skip if str(i).isdigit())])
+        findings = lint(onnx_path, allow_fp=["*dfl*", *(f"*/model.{i}/*" for i in info.config.skip if i.isdigit())])
         bench.results["lint"] = {"total": findings["total"], "findings": {k: v["count"] for k, v in findings["findings"].items()},
                                  "stats": findings["stats"]}
         with bench.timed("eval INT8 ONNX Runtime"):

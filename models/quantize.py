@@ -2,19 +2,24 @@
 
 Public surface::
 
-    qmodel, info = prepare(fp_model, method="mse", skip=["22"])   # fused copy with Q/DQ placed
-    calibrate(qmodel, batches, info)                             # amax for every enabled quantizer
+    config = QuantConfig(method="mse", skip=("22",))
+    qmodel, info = quantize(fp_model, batches, config)   # prepare, then calibrate: a calibrated fused copy
 
-Where each part lives: placement and shared scales ``models/quantize_rules.py``, calibration
-``models/quantize_calib.py`` (re-exported here), quantizer state ``models/quantize_state.py``, the
-rounding ``models/quantize_qdq.py``, fine-tuning ``models/quantize_finetune.py`` with its objectives in
-``models/qat_objectives.py`` and learned scales in ``models/quantize_amax.py``.
+    qmodel, info = prepare(fp_model, config)            # the two steps: a fused copy with Q/DQ placed,
+    groups = calibrate(qmodel, batches, config)         # then amax for every enabled quantizer
+
+``QuantConfig`` and ``QuantInfo`` (the settings, and the record a checkpoint carries) live in
+``models/quantize_config.py``, importable without modelopt. Where each part lives: placement and shared
+scales ``models/quantize_rules.py``, calibration ``models/quantize_calib.py``, quantizer state
+``models/quantize_state.py``, the rounding ``models/quantize_qdq.py``, fine-tuning
+``models/quantize_finetune.py`` with its objectives in ``models/qat_objectives.py`` and learned scales in
+``models/quantize_amax.py``.
 """
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
-from typing import Sequence
+import dataclasses
+from collections.abc import Iterable
 
 import torch
 import torch.nn as nn
@@ -24,21 +29,11 @@ from modelopt.torch.quantization.nn import TensorQuantizer
 
 from models import quantize_rules as rules
 from models.quantize_calib import calibrate
-from models.quantize_defaults import CALIB_METHODS, DEFAULT_CALIB_METHOD, DEFAULT_PERCENTILE
+from models.quantize_config import QuantConfig, QuantInfo
 from models.quantize_qdq import use_qdq_rounding
 from utils.qat.errors import QATError
 
-__all__ = ["QuantInfo", "calibrate", "fuse", "is_quantized", "prepare"]
-
-
-@dataclass
-class QuantInfo:
-    """What a quantized model was made with; travels in its checkpoint."""
-    calib_method: str = DEFAULT_CALIB_METHOD
-    percentile: float = DEFAULT_PERCENTILE
-    skip: list[str] = field(default_factory=list)  # user's --skip-layers items
-    fp_patterns: list[str] = field(default_factory=list)  # module-name patterns kept in FP
-    scale_groups: list[list[str]] = field(default_factory=list)
+__all__ = ["QuantConfig", "QuantInfo", "calibrate", "fuse", "is_quantized", "prepare", "quantize"]
 
 
 def fuse(model: nn.Module) -> nn.Module:
@@ -68,22 +63,30 @@ def is_quantized(model: nn.Module) -> bool:
     return any(isinstance(m, TensorQuantizer) for m in model.modules())
 
 
-def prepare(model: nn.Module, method: str = DEFAULT_CALIB_METHOD, skip: Sequence[str | int] = (),
-            percentile: float = DEFAULT_PERCENTILE) -> tuple[nn.Module, QuantInfo]:
+def prepare(model: nn.Module, config: QuantConfig = QuantConfig()) -> tuple[nn.Module, QuantInfo]:
     """Return a fused, float32 copy of ``model`` with INT8 quantizers placed (not yet calibrated), and
-    the record of how it is made (``percentile``: for ``method="percentile"``)."""
-    if method not in CALIB_METHODS:
-        raise QATError(f"unknown calibration method '{method}'; choose one of {', '.join(CALIB_METHODS)}.")
+    the record of how it is made (no shared-scale groups yet: ``calibrate`` finds them)."""
     if is_quantized(model):
         raise QATError("this model is already quantized; start from the floating-point checkpoint.")
     model = fuse(copy.deepcopy(model).float())
-    patterns = rules.fp_patterns(model, skip)
-    config = rules.int8_config(patterns)
-    if method != "max":
-        for entry in config["quant_cfg"]:
+    patterns = rules.fp_patterns(model, config.skip)
+    settings = rules.int8_config(patterns)
+    if config.method != "max":
+        for entry in settings["quant_cfg"]:
             if entry["quantizer_name"] == "*input_quantizer":
                 entry["cfg"]["calibrator"] = "histogram"
     rules.register_yolov9_modules()
-    model = use_qdq_rounding(mtq.quantize(model, config, forward_loop=None)).eval()
-    return model, QuantInfo(calib_method=method, percentile=percentile, skip=[str(s) for s in skip],
-                            fp_patterns=patterns)
+    model = use_qdq_rounding(mtq.quantize(model, settings, forward_loop=None)).eval()
+    return model, QuantInfo(config, fp_patterns=patterns)
+
+
+def quantize(model: nn.Module, batches: Iterable[torch.Tensor], config: QuantConfig = QuantConfig(), *,
+             device: torch.device | str | None = None, example: torch.Tensor | None = None,
+             num_batches: int | None = None) -> tuple[nn.Module, QuantInfo]:
+    """A calibrated, fused copy of ``model`` (on ``device`` when given) and its record: ``prepare``, then
+    ``calibrate`` over ``batches`` (see there for ``example``, ``num_batches`` and multi-GPU runs)."""
+    qmodel, info = prepare(model, config)
+    if device is not None:
+        qmodel.to(device)
+    groups = calibrate(qmodel, batches, config, example=example, num_batches=num_batches)
+    return qmodel, dataclasses.replace(info, scale_groups=groups)

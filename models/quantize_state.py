@@ -4,6 +4,7 @@
         evaluate(...)
     with collecting(enabled_quantizers(model)):  # statistics in, no quantization (calibration)
         model(images)
+    load_amax(other_model, amax_state(model))   # the amax of one model given to another of the same structure
 
 Each context puts every quantizer back exactly as it found it, also when the block raises.
 """
@@ -50,26 +51,27 @@ def collecting(quantizers: Iterable[TensorQuantizer]) -> Iterator[None]:
             q.enable_quant()
 
 
-@contextlib.contextmanager
-def not_collecting(quantizers: Iterable[TensorQuantizer]) -> Iterator[None]:
-    """Inside a ``collecting`` block: neither collect nor quantize for a moment (a plain forward pass)."""
-    quantizers = list(quantizers)
-    for q in quantizers:
-        q.disable_calib()
-    try:
-        yield
-    finally:
-        for q in quantizers:
-            q.enable_calib()
-
-
 def amax_vector(model: nn.Module) -> torch.Tensor:
     """All enabled quantizers' amax, flattened in module order (for comparing ranks or runs)."""
     parts = [m.amax.detach().float().flatten().cpu() for m in enabled_quantizers(model) if m.amax is not None]
     return torch.cat(parts) if parts else torch.zeros(0)
 
 
+def amax_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Each enabled quantizer's amax by module name (a CPU copy), as ``load_amax`` takes it."""
+    return {n: m.amax.detach().cpu().clone() for n, m in model.named_modules()
+            if isinstance(m, TensorQuantizer) and m.is_enabled and m.amax is not None}
+
+
+def load_amax(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Set the amax of the quantizers named in ``state`` (from ``amax_state`` of a model of the same structure)."""
+    modules = dict(model.named_modules())
+    for name, amax in state.items():
+        q = modules[name]
+        device = q.amax.device if q.amax is not None else next((t.device for t in model.parameters()), amax.device)
+        q.amax = amax.to(device)
+
+
 def amax_table(model: nn.Module) -> dict[str, list[float]]:
     """Each enabled quantizer's amax by module name (what ``YOLOV9_QAT_AMAX_DUMP`` writes per rank)."""
-    return {n: m.amax.detach().float().flatten().cpu().tolist() for n, m in model.named_modules()
-            if isinstance(m, TensorQuantizer) and m.is_enabled and m.amax is not None}
+    return {n: a.float().flatten().tolist() for n, a in amax_state(model).items()}

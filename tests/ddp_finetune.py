@@ -1,5 +1,6 @@
 """Calibration and QAT fine-tuning of the embedded model on fixed inputs, in one process or on each rank of a
-torchrun launch (gloo): rank r reads images r, r + 2, ... of every global batch.
+torchrun launch (gloo): calibration reads the global batches (rank 0 alone reads them and sends the amax),
+fine-tuning rank r reads images r, r + 2, ... of every global batch.
 
 tests/test_ddp.py runs ``python -m torch.distributed.run --nproc_per_node 2 tests/ddp_finetune.py OUT`` from the
 top of the patched tree (rank 0 saves its results to OUT/rank0.pt, rank 1 to OUT/rank1.pt) and calls
@@ -21,9 +22,9 @@ def _amax(model) -> dict[str, torch.Tensor]:
 
 
 def results(rank: int = 0, world: int = 1) -> dict:
-    """amax after calibrating (max and mse) on this rank's share of every global batch, then the state dict
-    before and after two epochs of fine-tuning the max-calibrated model the same way, and the losses."""
-    from models.quantize import calibrate, fuse, prepare
+    """amax after calibrating (max and mse) on the global batches, then the state dict before and after two
+    epochs of fine-tuning the max-calibrated model on this rank's share of every global batch, and the losses."""
+    from models.quantize import QuantConfig, fuse, quantize
     from models.quantize_finetune import QATConfig, finetune
     from utils.qat import checkpoint
     images = torch.rand(STEPS, GLOBAL_BATCH, 3, IMGSZ, IMGSZ, generator=torch.Generator().manual_seed(0))
@@ -31,8 +32,7 @@ def results(rank: int = 0, world: int = 1) -> dict:
     fp = checkpoint.load_fp(WEIGHTS)
     out = {}
     for method in ("mse", "max"):
-        student, info = prepare(fp, method=method)
-        calibrate(student, shards, info, example=images[0][:1])
+        student, _ = quantize(fp, images, QuantConfig(method=method))
         out[f"{method}_amax"] = _amax(student)
     start = {k: v.detach().clone() for k, v in student.state_dict().items()}
     epochs = finetune(student, fuse(fp), lambda: shards, QATConfig(epochs=2, iters=STEPS, lr=LR, warmup=0, supervision_stride=2),

@@ -42,15 +42,14 @@ def graphs(yolov9_tree, tmp_path_factory):
     FP16+INT8 (--half, AutoCast), dynamic, 256 px; plus a broken copy of the FP32 graph (input halved)."""
     import torch
 
-    from models.quantize import calibrate, prepare
+    from models.quantize import QuantConfig, quantize
     from utils.qat import checkpoint
     from utils.qat.onnx_export import export_onnx
     out = tmp_path_factory.mktemp("compare")
     fp = checkpoint.load_fp(WEIGHTS)
     g = torch.Generator().manual_seed(0)
     calib = [torch.rand(4, 3, 256, 256, generator=g) for _ in range(2)]
-    qmodel, info = prepare(fp, method="max")
-    calibrate(qmodel, calib, info, example=calib[0][:1])
+    qmodel, info = quantize(fp, calib, QuantConfig(method="max"), example=calib[0][:1])
     qmodel.names = fp.names
     paths = {}
     for name, half in (("fp32", False), ("fp16", True)):

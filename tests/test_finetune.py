@@ -29,9 +29,8 @@ def qs(yolov9_tree):
 
 @pytest.fixture(scope="module")
 def qs_calibrated(qs, images):
-    from models.quantize import calibrate, prepare
-    qmodel, info = prepare(qs, method="max")
-    calibrate(qmodel, [images[:2], images[2:]], info)
+    from models.quantize import QuantConfig, quantize
+    qmodel, info = quantize(qs, [images[:2], images[2:]], QuantConfig(method="max"))
     qmodel.names = qs.names
     return qmodel, info
 

@@ -54,6 +54,10 @@ def test_quantize_report(quantize_run):
     assert abs(ptq["AP"] - origin["AP"]) < 0.1
     assert qat["AP"] >= ptq["AP"]  # the best QAT checkpoint never loses to its starting point
     assert report["epochs"] and report["epochs"][0]["epoch"] == 1
+    args = report["arguments"]  # the run records every argument it was given, in report.json and checkpoints
+    assert args["cmd"] == "quantize" and args["task"] == "detect" and "calib_batches" in args and "lr" in args
+    from utils.qat import checkpoint
+    assert checkpoint.read(run / "weights" / "qat_best_gelan-qs-shapes.pt")["args"] == args
     md = (run / "report.md").read_text()
     assert "| Origin |" in md and "INT8 QAT vs Origin" in md and "INT8 PTQ vs Origin" in md
     assert "INT8 QAT vs Origin" in r.stdout  # the console shows the same table

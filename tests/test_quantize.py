@@ -34,9 +34,9 @@ def gelan_c_fp(yolov9_tree, gelan_c):
 
 @pytest.fixture(scope="module")
 def gelan_c_q(gelan_c_fp, calib_images):
-    from models.quantize import calibrate, prepare
-    qmodel, info = prepare(gelan_c_fp, method="max")
-    calibrate(qmodel, [calib_images[:2], calib_images[2:]], info, example=calib_images[:1])
+    from models.quantize import QuantConfig, quantize
+    qmodel, info = quantize(gelan_c_fp, [calib_images[:2], calib_images[2:]], QuantConfig(method="max"),
+                            example=calib_images[:1])
     qmodel.names = gelan_c_fp.names
     return qmodel, info
 
@@ -147,7 +147,7 @@ def test_checkpoint_round_trip_in_fresh_process(yolov9_tree, gelan_c_q, val_imag
         f"x = torch.load(r'{tmp_path / 'x.pt'}')\n"
         "with torch.no_grad(): y = m(x)[0]\n"
         f"torch.save(y, r'{tmp_path / 'y.pt'}')\n"
-        "print(ck['version'], info.calib_method, len(info.scale_groups))\n")
+        "print(ck['version'], info.config.method, len(info.scale_groups))\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=yolov9_tree, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert f"max {len(info.scale_groups)}" in r.stdout
@@ -175,11 +175,11 @@ def test_checkpoint_kind_errors(yolov9_tree, gelan_c, gelan_c_q, tmp_path):
 def test_skip_layers_leave_no_qdq(gelan_c_fp, calib_images, tmp_path):
     import onnx
 
-    from models.quantize import calibrate, prepare
+    from models.quantize import QuantConfig, quantize
     from utils.qat.onnx_export import export_onnx
     from utils.qat.onnx_qdq import lint
-    qmodel, info = prepare(gelan_c_fp, method="max", skip=["22", "model.15.cv4*"])
-    calibrate(qmodel, [calib_images[:2]], info, example=calib_images[:1])
+    qmodel, info = quantize(gelan_c_fp, [calib_images[:2]], QuantConfig(method="max", skip=("22", "model.15.cv4*")),
+                            example=calib_images[:1])
     enabled = [n for n, q in _quantizers(qmodel).items() if q.is_enabled]
     assert not [n for n in enabled if n.startswith("model.22.") or n.startswith("model.15.cv4")]
     assert not [n for g in info.scale_groups for n in g if n.startswith("model.22.")]
@@ -256,11 +256,10 @@ MINI = {"nc": 2, "depth_multiple": 1.0, "width_multiple": 1.0, "anchors": 3,
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["max", "percentile", "mse", "entropy"])
 def test_calibration_methods(yolov9_tree, shared, method):
-    from models.quantize import calibrate, prepare
+    from models.quantize import QuantConfig, quantize
     model = build(MINI if method == "entropy" else TINY_GELAN)
     x = real_images(shared / "datasets" / "coco369" / "images" / "train2017", 2, 64)
-    qmodel, info = prepare(model, method=method)
-    calibrate(qmodel, [x], info, example=x[:1])
+    qmodel, info = quantize(model, [x], QuantConfig(method=method), example=x[:1])
     amax = [float(q.amax.max()) for n, q in _quantizers(qmodel).items() if q.is_enabled and "input" in n]
     assert all(np.isfinite(amax)) and min(amax) > 0
     with torch.no_grad():
@@ -269,24 +268,36 @@ def test_calibration_methods(yolov9_tree, shared, method):
 
 
 def test_unknown_method_and_double_quantize(yolov9_tree):
-    from models.quantize import prepare
+    from models.quantize import QuantConfig, prepare
     from utils.qat.errors import QATError
     model = build(TINY_GELAN)
     with pytest.raises(QATError, match="unknown calibration method"):
-        prepare(model, method="minmax")
-    qmodel, _ = prepare(model, method="max")
+        QuantConfig(method="minmax")
+    qmodel, info = prepare(model, QuantConfig(method="max"))
+    assert info.scale_groups == [] and info.config.method == "max"  # groups come from calibration
     with pytest.raises(QATError, match="already quantized"):
         prepare(qmodel)
 
 
 def test_skip_layer_errors(yolov9_tree):
-    from models.quantize import prepare
+    from models.quantize import QuantConfig, prepare
     from utils.qat.errors import QATError
     model = build(TINY_GELAN)
     with pytest.raises(QATError, match="not a layer of this model"):
-        prepare(model, skip=["99"])
+        prepare(model, QuantConfig(skip=("99",)))
     with pytest.raises(QATError, match="matches no module"):
-        prepare(model, skip=["model.7.nothing*"])
+        prepare(model, QuantConfig(skip=("model.7.nothing*",)))
+
+
+def test_config_is_plain_data_without_modelopt(yolov9_tree):
+    """The settings module imports neither modelopt nor torch (qat.py's parser needs it before CUDA may
+    start), and the checkpoint record round-trips through its flat dict."""
+    code = ("import sys; from models.quantize_config import QuantConfig, QuantInfo; "
+            "info = QuantInfo(QuantConfig('percentile', 99.9, (' 22', '', 'model.1*')), ['model.22.'], [['a', 'b']]); "
+            "assert info.config.skip == ('22', 'model.1*'); assert QuantInfo.from_dict(info.to_dict()) == info; "
+            "print(sorted(m for m in ('modelopt', 'torch') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=yolov9_tree, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stderr
 
 
 def _per_conv_activation(name: str):
@@ -315,14 +326,13 @@ ACTIVATIONS = {
 def test_activation_variants_quantize_and_export(yolov9_tree, shared, act, tmp_path):
     import onnxruntime as ort
 
-    from models.quantize import calibrate, prepare
+    from models.quantize import QuantConfig, quantize
     from utils.qat.onnx_export import export_onnx
     from utils.qat.onnx_qdq import lint
     torch.manual_seed(0)  # a randomly initialised model: the same one whatever ran before
     model = ACTIVATIONS[act]()
     x = real_images(shared / "datasets" / "coco369" / "images" / "train2017", 2, 64)
-    qmodel, info = prepare(model, method="max")
-    calibrate(qmodel, [x], info, example=x[:1])
+    qmodel, info = quantize(model, [x], QuantConfig(method="max"), example=x[:1])
     if act == "FReLU":  # FReLU's own depthwise conv is quantized too
         assert any(n.endswith("act.conv") and m.weight_quantizer.is_enabled for n, m in qmodel.named_modules()
                    if hasattr(m, "weight_quantizer"))
@@ -347,13 +357,12 @@ def test_lint_clean_on_every_size(yolov9_tree, shared, cfg, tmp_path):
     from conftest import tree_has
     if cfg.endswith(("-t", "-s")) and not tree_has(yolov9_tree, "ELAN1"):
         pytest.skip(f"{cfg} needs ELAN1 from upstream models/common.py, which this YOLOv9 tree lacks")
-    from models.quantize import calibrate, prepare
+    from models.quantize import QuantConfig, quantize
     from utils.qat.onnx_export import export_onnx
     from utils.qat.onnx_qdq import lint
     model = build(yolov9_tree / "models" / "detect" / f"{cfg}.yaml", nc=80)
     x = real_images(shared / "datasets" / "coco369" / "images" / "train2017", 1, 64)
-    qmodel, info = prepare(model, method="max")
-    calibrate(qmodel, [x], info, example=x)
+    qmodel, info = quantize(model, [x], QuantConfig(method="max"), example=x)
     out = tmp_path / f"{cfg}.onnx"
     export_onnx(qmodel, out, imgsz=(64, 64), metadata={})
     report = lint(out)
@@ -406,7 +415,7 @@ SEG_CFGS = ["gelan-c-seg", "gelan-c-dseg", "yolov9-c-dseg"]
 def test_lint_clean_on_segmentation_models(yolov9_tree, shared, cfg, tmp_path):
     """Segmentation heads (Segment's Proto branch with its Upsample, DualDSegment's two proto convs) get
     quantizers where TensorRT needs them: zero lint findings, output0 + output1 in the graph."""
-    from models.quantize import calibrate, prepare
+    from models.quantize import QuantConfig, quantize
     from models.yolo import SegmentationModel
     from utils.qat.checkpoint import isolated_build
     from utils.qat.onnx_export import export_onnx
@@ -419,8 +428,7 @@ def test_lint_clean_on_segmentation_models(yolov9_tree, shared, cfg, tmp_path):
     model.names = {i: str(i) for i in range(80)}
     reinit(model)
     x = real_images(shared / "datasets" / "coco369" / "images" / "train2017", 1, 64)
-    qmodel, info = prepare(model, method="max")
-    calibrate(qmodel, [x], info, example=x)
+    qmodel, info = quantize(model, [x], QuantConfig(method="max"), example=x)
     out = tmp_path / f"{cfg}.onnx"
     export_onnx(qmodel, out, imgsz=(64, 64), task="segment", metadata={})
     report = lint(out)

@@ -102,11 +102,11 @@ def reference_tree(yolov9_tree, tmp_path_factory):
     shutil.copyfile(root / "shapes" / "shapes.yaml", tree / "data" / "coco.yaml")
     shutil.copyfile(QS, tree / "yolov9-c-converted.pt")
     from helpers import real_images
-    from models.quantize import calibrate, prepare
+    from models.quantize import QuantConfig, quantize
     from utils.qat import checkpoint
     fp = checkpoint.load_fp(QS)
-    qmodel, info = prepare(fp, method="max")  # a quick PTQ stands in for the reference's quantize run
-    calibrate(qmodel, [real_images(root / "shapes" / "images" / "train", 8, 128)], info)
+    # a quick PTQ stands in for the reference's quantize run
+    qmodel, info = quantize(fp, [real_images(root / "shapes" / "images" / "train", 8, 128)], QuantConfig(method="max"))
     qmodel.names = fp.names
     checkpoint.save_quantized(tree / "runs/qat/yolov9_qat/weights/qat_best_yolov9-c-converted.pt", qmodel, info)
     return tree

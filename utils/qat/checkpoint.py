@@ -2,13 +2,13 @@
 
 A quantized model cannot be pickled whole (modelopt's dynamic modules), so its checkpoint carries
 what is needed to rebuild it in a fresh process with nothing but the patched tree: the model yaml,
-class names, stride, modelopt state, state dict, the layers kept in FP, the calibration settings,
-the shared-scale groups and the toolkit version.
+class names, stride, modelopt state, state dict, the quantization record (``QuantInfo``: the calibration
+settings, the layers kept in FP, the shared-scale groups), the arguments of the run that made it and the
+toolkit version.
 """
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import io
 import logging
 import os
@@ -79,8 +79,9 @@ def load_fp(path: str | os.PathLike, task: str = "detect", ckpt: dict | None = N
 
 
 def save_quantized(path: str | os.PathLike, model: nn.Module, info, *, epoch: int | None = None,
-                   metrics: dict | None = None, task: str = "detect") -> Path:
-    """Write a quantized checkpoint atomically."""
+                   metrics: dict | None = None, task: str = "detect", arguments: dict | None = None) -> Path:
+    """Write a quantized checkpoint atomically. ``info``: its ``QuantInfo``; ``arguments``: what the run that
+    made it was given (stored as ``args``)."""
     import modelopt.torch.opt as mto
     ckpt = {
         "format": FORMAT,
@@ -92,7 +93,8 @@ def save_quantized(path: str | os.PathLike, model: nn.Module, info, *, epoch: in
         "stride": model.stride.tolist(),
         "modelopt_state": mto.modelopt_state(model),
         "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
-        "quant": dataclasses.asdict(info),
+        "quant": info.to_dict(),
+        "args": arguments or {},
         "epoch": epoch,
         "metrics": metrics or {},
     }
@@ -137,7 +139,7 @@ def load_quantized(path: str | os.PathLike, task: str = "detect", ckpt: dict | N
     import modelopt.torch.opt as mto
 
     from models import quantize_rules as rules
-    from models.quantize import QuantInfo
+    from models.quantize_config import QuantInfo
     from models.quantize_qdq import use_qdq_rounding
     ckpt = read(path) if ckpt is None else ckpt
     if not is_quantized(ckpt):
@@ -150,5 +152,5 @@ def load_quantized(path: str | os.PathLike, task: str = "detect", ckpt: dict | N
     model.load_state_dict(ckpt["state_dict"])
     model.names = dict(ckpt["names"])
     model.stride = torch.tensor(ckpt["stride"], dtype=torch.float32)
-    info = QuantInfo(**ckpt["quant"])
+    info = QuantInfo.from_dict(ckpt["quant"])
     return model.eval(), info, ckpt

@@ -11,6 +11,7 @@ import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -20,6 +21,7 @@ from utils.qat.errors import QATError
 # Rank 0 evaluates (minutes on full COCO) while the others wait at a barrier: 3 hours, as YOLOv5 and
 # ultralytics use (torch's default limit, minutes, could end the wait of a long evaluation).
 TIMEOUT = timedelta(hours=3)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -60,8 +62,34 @@ def process_group(launch: Launch | None, device: torch.device) -> Iterator[None]
     dist.init_process_group("nccl" if cuda else "gloo", timeout=TIMEOUT, device_id=device if cuda else None)
     try:
         yield
+    except QATError as e:
+        if e.every_rank is None:
+            e.every_rank = False  # raised by this rank alone: it prints it (utils.qat.errors.run_cli)
+        raise
     finally:
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def same_on_every_rank() -> Iterator[None]:
+    """For the checks every rank makes alike (arguments, the files they name): a QATError raised in the block
+    on any rank is raised on every rank, marked as every rank's (``run_cli``: rank 0 alone prints it). One
+    collective when the block ends, failed or not; nothing without a process group."""
+    failed: QATError | None = None
+    try:
+        yield
+    except QATError as e:
+        failed = e
+    if not active():
+        if failed is not None:
+            raise failed
+        return
+    first = next((m for m in all_gather_object(None if failed is None else str(failed)) if m is not None), None)
+    if first is None:
+        return
+    error = failed if failed is not None and str(failed) == first else QATError(first)
+    error.every_rank = True
+    raise error
 
 
 def active() -> bool:
@@ -129,3 +157,12 @@ def check_identical(t: torch.Tensor, what: str) -> None:
     if not torch.equal(high, low):
         n = int((high != low).sum())
         raise RuntimeError(f"{what} differ between ranks at {n} of {flat.numel()} values")
+
+
+def broadcast_object(obj: T) -> T:
+    """Rank 0's ``obj`` (picklable) on every rank; ``obj`` itself for a single process."""
+    if not active():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

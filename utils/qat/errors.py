@@ -4,16 +4,16 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-import time
 from collections.abc import Callable, Iterator
 
 
 class QATError(Exception):
-    """A problem the user can fix. The message is one sentence naming the problem and the fix."""
+    """A problem the user can fix. The message is one sentence naming the problem and the fix.
 
-
-# How long a rank other than 0 waits before printing its error (see run_cli).
-SECONDARY_GRACE_S = 5.0
+    ``every_rank`` (torchrun launches): None while it was raised outside any process group (by the checks
+    every process makes alike on the same arguments), True when the ranks agreed on it
+    (``distributed.same_on_every_rank``), False when this rank alone raised it inside the process group."""
+    every_rank: bool | None = None
 
 
 def secondary_rank() -> bool:
@@ -35,19 +35,19 @@ def _stdout_discarded(discard: bool) -> Iterator[None]:
 def run_cli(main: Callable[[], object]) -> None:
     """Run ``main``; a QATError becomes ``error: <sentence>`` on stderr and exit status 2.
 
-    In a torchrun launch only rank 0 prints results: the other ranks' standard output is discarded. Their
-    errors wait ``SECONDARY_GRACE_S`` first: an error every rank meets (the same checks on the same
-    arguments) is then printed by rank 0, and torchrun, seeing rank 0 exit, ends the others before they
-    repeat it (without the wait, a rank that exits first gets rank 0 killed before it prints); an error of
-    one rank alone (rank 0 still at work) is printed after the wait.
+    In a torchrun launch only rank 0 prints results: the other ranks' standard output is discarded. An
+    error every rank meets (``QATError.every_rank`` not False) is printed by rank 0 alone; the other ranks
+    exit quietly with status 0, so that torchrun waits for rank 0 (a failing exit would make torchrun end
+    rank 0, perhaps before it printed), and the launch still fails with rank 0's status. An error of one rank
+    alone is printed by that rank, whose exit then ends the others.
     """
     quiet = secondary_rank()
     try:
         with _stdout_discarded(quiet):
             main()
     except QATError as e:
-        if quiet:
-            time.sleep(SECONDARY_GRACE_S)
+        if quiet and e.every_rank is not False:
+            sys.exit(0)
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:

@@ -71,12 +71,11 @@ def load_for_export(weights: str | os.PathLike, ckpt: dict | None = None):
 
 
 def parse_imgsz(values: Sequence[int], stride: int, flag: str = "--imgsz") -> tuple[int, int]:
-    """``N`` or ``H W`` from the command line, each rounded up to a multiple of the stride (with a notice)."""
+    """``N`` or ``H W`` from the command line (``utils.qat.validate.image_size``; the values' range is
+    ``FLAGS``'), each rounded up to a multiple of the stride (with a notice)."""
     from utils.qat.data import check_imgsz
-    values = list(values)
-    if len(values) not in (1, 2) or any(v <= 0 for v in values):
-        raise QATError(f"{flag} takes one or two positive sizes (N or H W), got {' '.join(map(str, values))}.")
-    h, w = (values[0], values[0]) if len(values) == 1 else values
+    from utils.qat.validate import image_size
+    h, w = image_size(values, flag)
     return check_imgsz(h, stride), check_imgsz(w, stride)
 
 

@@ -115,6 +115,14 @@ def check_args(args: argparse.Namespace, flags: dict[str, Range] = FLAGS) -> Non
             check_value(flag, value, valid)
 
 
+def image_size(values, flag: str = "--imgsz") -> tuple[int, int]:
+    """``N`` or ``H W`` as ``(H, W)``; the one check a size flag needs beyond its ``FLAGS`` range (how many)."""
+    values = list(values)
+    if len(values) not in (1, 2):
+        raise QATError(f"{flag} takes one or two sizes (N or H W), got {' '.join(map(str, values))}.")
+    return (values[0], values[0]) if len(values) == 1 else (values[0], values[1])
+
+
 def skip_layers(model, value: str) -> None:
     """``--skip-layers`` (comma-separated layer indices and module-name patterns) against the model it
     will be applied to, checked as soon as the model is loaded: before any evaluation or calibration."""

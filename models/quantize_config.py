@@ -1,0 +1,55 @@
+"""What a quantization is made of, as plain data importable without modelopt or torch.
+
+    config = QuantConfig(method="mse", skip=("22",))          # what the user chose
+    qmodel, info = quantize(fp_model, batches, config)       # models/quantize.py: info records the result
+
+qat.py's argument parser needs the methods and defaults; importing modelopt starts CUDA (it asks
+``torch.cuda.is_available()``), and in a multi-GPU run CUDA must not start before ``--device`` has narrowed
+CUDA_VISIBLE_DEVICES (``utils/qat/device.py``). tests/test_quantize.py checks this module stays light.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from utils.qat.errors import QATError
+
+CALIB_METHODS = ("max", "percentile", "mse", "entropy")
+DEFAULT_CALIB_METHOD = "mse"
+DEFAULT_PERCENTILE = 99.99
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """The settings of a quantization: the activation calibration method (weights are always per-channel
+    max), the percentile (``method="percentile"``) and the layers kept in FP (``--skip-layers`` items: layer
+    indices of ``model.model`` or module-name patterns)."""
+    method: str = DEFAULT_CALIB_METHOD
+    percentile: float = DEFAULT_PERCENTILE
+    skip: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.method not in CALIB_METHODS:
+            raise QATError(f"unknown calibration method '{self.method}'; choose one of {', '.join(CALIB_METHODS)}.")
+        object.__setattr__(self, "skip", tuple(str(s).strip() for s in self.skip if str(s).strip()))
+
+
+@dataclass(frozen=True)
+class QuantInfo:
+    """What a quantized model was made with: its settings, and what was derived from them for this model
+    (the module-name patterns kept in FP, the calibration's shared-scale groups). Travels in its checkpoint."""
+    config: QuantConfig = field(default_factory=QuantConfig)
+    fp_patterns: list[str] = field(default_factory=list)
+    scale_groups: list[list[str]] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        """The checkpoint's ``quant`` entry (flat, as checkpoints have always stored it)."""
+        return {"calib_method": self.config.method, "percentile": self.config.percentile,
+                "skip": list(self.config.skip), "fp_patterns": list(self.fp_patterns),
+                "scale_groups": [list(g) for g in self.scale_groups]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> QuantInfo:
+        config = QuantConfig(method=d.get("calib_method", DEFAULT_CALIB_METHOD),
+                             percentile=d.get("percentile", DEFAULT_PERCENTILE), skip=tuple(d.get("skip", ())))
+        return cls(config, fp_patterns=list(d.get("fp_patterns", ())),
+                   scale_groups=[list(g) for g in d.get("scale_groups", ())])
