@@ -95,8 +95,8 @@ def _run(path, x: torch.Tensor) -> dict[str, np.ndarray]:
 
 @torch.no_grad()
 def _torch(model, x: torch.Tensor) -> np.ndarray:
-    from utils.qat.backends import main_output
-    return main_output(model(x)).numpy()
+    from utils.qat.yolov9 import outputs
+    return outputs(model(x), "detect")[0].numpy()
 
 
 def _io(path) -> tuple[dict, dict]:
