@@ -134,23 +134,15 @@ def get_args_parser(task: str = "detect", prog: str = "qat.py", description: str
     return parser
 
 
-def _evaluator(task: str):
-    """The evaluation loop of a task: box mAP, or box + mask mAP for segmentation."""
-    if task == "segment":
-        from utils.qat.evaluate_seg import evaluate_seg
-        return evaluate_seg
-    return evaluate
-
-
 def _backend(model, device, args) -> TorchBackend:
     return TorchBackend(model, device, task=args.task)
 
 
 def _score(backend, data, args, desc: str, num_images: int | None = None):
     start = time.time()
-    m = _evaluator(args.task)(backend, data, imgsz=args.imgsz, batch_size=args.batch_size,
-                              conf_thres=getattr(args, "conf_thres", 0.001), iou_thres=getattr(args, "iou_thres", 0.7),
-                              workers=args.workers, num_images=num_images, desc=desc)
+    m = evaluate(backend, data, task=args.task, imgsz=args.imgsz, batch_size=args.batch_size,
+                 conf_thres=getattr(args, "conf_thres", 0.001), iou_thres=getattr(args, "iou_thres", 0.7),
+                 workers=args.workers, num_images=num_images, desc=desc)
     return m, time.time() - start
 
 
@@ -167,7 +159,7 @@ def _data(args, splits: tuple[str, ...]) -> dict:
 def _epoch_record(m) -> dict:
     """Per-epoch numbers for report.json (segmentation: the mask AP ranks, the box AP is kept beside it)."""
     record = {"AP": round(m.mAP50_95, 4), "AP50": round(m.mAP50, 4)}
-    if hasattr(m, "box"):
+    if m.mask is not None:
         record.update(box_AP=round(m.box.mAP50_95, 4), box_AP50=round(m.box.mAP50, 4))
     return record
 
@@ -401,10 +393,10 @@ def cmd_eval(args) -> Path:
     args.imgsz = check_imgsz(args.imgsz, int(model.stride.max()))
     out = reports.run_dir(args.project, args.name, args.exist_ok)
     start = time.time()
-    m = _evaluator(args.task)(_backend(model, device, args), data, imgsz=args.imgsz, batch_size=args.batch_size,
-                              conf_thres=args.conf_thres, iou_thres=args.iou_thres, workers=args.workers,
-                              num_images=args.num_image, save_json=out / "predictions.json" if args.save_json else None,
-                              desc=f"eval {kind}")
+    m = evaluate(_backend(model, device, args), data, task=args.task, imgsz=args.imgsz, batch_size=args.batch_size,
+                 conf_thres=args.conf_thres, iou_thres=args.iou_thres, workers=args.workers,
+                 num_images=args.num_image, save_json=out / "predictions.json" if args.save_json else None,
+                 desc=f"eval {kind}")
     row = reports.entry(Path(args.weights).stem, args.weights, m, time.time() - start, kind=kind)
     write_text(out / "results.json", json.dumps({**row, **reports.per_class(m)}, indent=2))
     _print_table([row])
