@@ -101,8 +101,10 @@ def outputs(raw: Any, task: str) -> tuple[torch.Tensor, ...]:
         return pred, protos
     pred = raw
     while isinstance(pred, (list, tuple)):
-        # a list of branch predictions (dual, export mode): the last; (pred, levels) in eval mode: the first
-        pred = pred[-1] if len(pred) > 1 and all(torch.is_tensor(p) for p in pred) else pred[0]
+        # branch predictions (dual, export mode; each B x no x A): the last; else (pred, levels) or a segmentation
+        # head's (pred, protos): the first
+        branches = len(pred) > 1 and all(torch.is_tensor(p) and p.ndim == 3 for p in pred)
+        pred = pred[-1] if branches else pred[0]
     return (pred,)
 
 
