@@ -56,12 +56,9 @@ class Metrics:
         """The scores that rank models (name checkpoints, pick the best QAT epoch): the masks' for segmentation."""
         return self.mask if self.mask is not None else self.box
 
-    # the primary scores, as the callers that rank models read them
-    P = property(lambda self: self.primary.P)
-    R = property(lambda self: self.primary.R)
+    # the primary numbers, as the callers that rank models (checkpoint names, epochs, benchmarks) read them
     mAP50 = property(lambda self: self.primary.mAP50)
     mAP50_95 = property(lambda self: self.primary.mAP50_95)
-    per_class = property(lambda self: self.primary.per_class)
 
 
 def match(iou: torch.Tensor, label_cls: torch.Tensor, pred_cls: torch.Tensor, iouv: torch.Tensor) -> torch.Tensor:
