@@ -15,8 +15,8 @@
 --half                  the floating-point parts of the graph in FP16, converted by NVIDIA ModelOpt AutoCast
                         (TensorRT 11 builds strongly typed networks and takes FP16 from the ONNX); inputs and
                         outputs stay FP32; a Q/DQ graph moves to opset 19 (FP16 scales, DQ -> Conv).
---inplace               accepted for upstream export.py compatibility: sets the Detect head's `inplace`
-                        attribute (YOLOv9's heads compute the same either way).
+--inplace               ignored, with a notice: accepted so that upstream export.py's command line works
+                        (it sets the head's `inplace` attribute, which no YOLOv9 head reads).
 --check / --no-check    Q/DQ lint of the result (on by default for quantized checkpoints); findings that
                         would stop TensorRT from fusing Q/DQ are printed and make the exit status non-zero.
 """
@@ -52,7 +52,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--half", action="store_true",
                    help="FP16 for the non-quantized parts of the graph (ModelOpt AutoCast; for TensorRT 11)")
     p.add_argument("--inplace", action="store_true",
-                   help="set the Detect head's inplace attribute (upstream export.py's flag; same graph either way)")
+                   help="ignored: upstream export.py's flag, accepted for its command line (no YOLOv9 head reads it)")
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=None,
                    help="Q/DQ lint of the result, non-zero exit on findings (default: on for quantized checkpoints)")
     e = p.add_argument_group("End2End (--include onnx_end2end)")
@@ -75,7 +75,7 @@ def output_path(weights: Path, include: str) -> Path:
 
 
 def main(args: argparse.Namespace) -> list[dict]:
-    from utils.qat import checkpoint
+    from utils.qat import checkpoint, yolov9
     from utils.qat.device import select_device
     from utils.qat.onnx_export import export_onnx, format_report, load_for_export, parse_imgsz
     from utils.qat.validate import check_args, image_size
@@ -87,6 +87,9 @@ def main(args: argparse.Namespace) -> list[dict]:
         NMSOptions(backend=args.nms, topk_all=args.topk_all, iou_thres=args.iou_thres, conf_thres=args.conf_thres,
                    mask_resolution=args.mask_resolution, pooler_scale=args.pooler_scale,
                    sampling_ratio=args.sampling_ratio).check()
+    if args.inplace:
+        print("notice: --inplace is ignored (upstream export.py's flag: no YOLOv9 head reads it, the graph is the "
+              "same without it).")
     ckpt = checkpoint.read(weights)
     task = checkpoint.task_of(ckpt)
     if "onnx_end2end" in args.include and task not in ("detect", "segment"):
@@ -101,8 +104,7 @@ def main(args: argparse.Namespace) -> list[dict]:
                  f"the engine build and runner with --plugins" if plugin in THIRD_PARTY_PLUGINS
                  else "deprecated since TensorRT 10.12, TensorRT's native NMS layer (--nms onnx) replaces it")
         print(f"notice: --nms trt uses the {plugin} plugin; {where}.")
-    stride = int(max(model.stride.tolist())) if hasattr(model, "stride") else 32
-    imgsz = parse_imgsz(args.imgsz, stride, flag="--imgsz")
+    imgsz = parse_imgsz(args.imgsz, yolov9.model_stride(model), flag="--imgsz")
     device = select_device(args.device)
     check = quantized if args.check is None else args.check
     print(f"{weights}: {'quantized (INT8 Q/DQ)' if quantized else 'floating-point'} {task} model, "
@@ -117,7 +119,7 @@ def main(args: argparse.Namespace) -> list[dict]:
                            sampling_ratio=args.sampling_ratio)
         report = export_onnx(model, output_path(weights, include), imgsz=imgsz, batch_size=args.batch_size,
                              dynamic=args.dynamic, opset=args.opset, simplify=args.simplify, half=args.half,
-                             end2end=end2end, task=task, device=device, inplace=True if args.inplace else None,
+                             end2end=end2end, task=task, device=device,
                              allow_fp=fp_patterns, metadata={"source": weights.name})
         print(format_report(report))
         if report["simplify"].startswith("failed"):

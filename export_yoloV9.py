@@ -42,8 +42,8 @@ def output_path(weights: Path) -> Path:
 def main(args: argparse.Namespace) -> dict:
     from utils.qat import checkpoint
     from utils.qat.atomic import write_text
-    from utils.qat.onnx_export import (DeepStreamOutput, export_onnx, find_head, format_report, head_kind,
-                                       load_for_export, parse_imgsz, readable)
+    from utils.qat import yolov9
+    from utils.qat.onnx_export import DeepStreamOutput, export_onnx, format_report, load_for_export, parse_imgsz, readable
     from utils.qat.validate import check_args
     check_args(args)
     if args.dynamic and args.batch > 1:
@@ -57,12 +57,10 @@ def main(args: argparse.Namespace) -> dict:
                        f"(use export_qat.py --include onnx for other models).")
     model, task, quantized, fp_patterns = load_for_export(weights, ckpt)
     del ckpt
-    stride = int(max(model.stride.tolist()))
-    imgsz = parse_imgsz(args.size, stride, flag="--size")
-    head = find_head(model)
-    kind = head_kind(model)
+    imgsz = parse_imgsz(args.size, yolov9.model_stride(model), flag="--size")
+    kind = "dual" if yolov9.is_dual(model) else "single"
     print(f"{weights}: {'QAT (INT8 Q/DQ)' if quantized else 'FP (floating point)'} model, {kind} head "
-          f"({type(head).__name__}{', exporting the main branch' if kind == 'dual' else ''}), "
+          f"({yolov9.head_name(model)}{', exporting the main branch' if kind == 'dual' else ''}), "
           f"{imgsz[0]}x{imgsz[1]}, batch {'dynamic' if args.dynamic else args.batch}")
     out = output_path(weights)
     report = export_onnx(model, out, imgsz=imgsz, batch_size=args.batch, dynamic=args.dynamic, dynamic_hw=False,

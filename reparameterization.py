@@ -7,7 +7,8 @@
 The output is an upstream checkpoint ({'model': DetectionModel in FP16, ...}, names and nc set),
 loadable by val.py, detect.py and qat.py. The layer correspondence is derived from the two model
 graphs (utils/qat/reparam.py); the converted model is checked against the checkpoint's main branch
-before anything is written.
+before anything is written. --classes_num is accepted for the reference's command line and ignored: the
+converted model keeps the checkpoint's classes (a different number is reported).
 """
 from utils.qat import compat
 
@@ -28,8 +29,9 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, choices=SIZES, help="model size of the checkpoint")
     p.add_argument("--weights", required=True, help="training checkpoint (train_dual.py best.pt / last.pt)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:0 or 0")
-    p.add_argument("--classes_num", type=int, default=80,
-                   help="number of classes (the checkpoint's count wins when they differ, with a notice)")
+    p.add_argument("--classes_num", type=int, default=None,
+                   help="ignored: the converted model keeps the checkpoint's classes (accepted for the reference's "
+                        "command line; a different number is reported)")
     p.add_argument("--save", default=None, help="output checkpoint (default: ./yolov9-{model}-converted.pt)")
     return p
 

@@ -22,8 +22,6 @@ import json  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-import torch  # noqa: E402
-
 from utils.qat.errors import QATError, run_cli  # noqa: E402
 
 BACKENDS = ("tensorrt", "onnxruntime")
@@ -62,53 +60,19 @@ def get_args_parser() -> argparse.ArgumentParser:
     return p
 
 
-class _BoxesOnly:
-    """A segmentation backend seen as a detector: the box/class rows of ``pred`` (masks not scored)."""
-
-    def __init__(self, backend, nc: int):
-        self.backend, self.nc = backend, nc
-        for k in ("device", "stride", "names", "batch_size", "imgsz", "end2end", "task"):
-            setattr(self, k, getattr(backend, k, None))
-
-    def __call__(self, images):
-        out = self.backend(images)
-        if isinstance(out, dict):
-            return {k: v for k, v in out.items() if k != "det_masks"}
-        pred = out[0] if isinstance(out, (tuple, list)) else out
-        return pred[:, :4 + self.nc]
-
-
-def make_backend(args: argparse.Namespace):
-    """The evaluator backend for --engine-file / --onnx (TensorRT imported only when asked for)."""
-    from utils.qat.device import select_device
-    backend = args.backend or ("tensorrt" if args.engine_file else "onnxruntime")
+def open_source(args: argparse.Namespace):
+    """The backend for --engine-file / --onnx (``utils.qat.backends.open_backend``) and the file."""
+    from utils.qat.backends import open_backend
     source = Path(args.engine_file or args.onnx)
-    if backend == "tensorrt":
-        if args.onnx:
-            raise QATError("--backend tensorrt runs engines: pass --engine-file X.engine (build one from the ONNX with "
-                           "scripts/generate_trt_engine.sh), or use --backend onnxruntime for --onnx.")
-        from utils.qat.trt_common import trt_version
-        from utils.qat.trt_engine import TRTBackend
-        if not source.is_file():
-            raise QATError(f"engine file {source} not found; build it with scripts/generate_trt_engine.sh ONNX ENGINE.")
-        trt_version()  # a QATError naming the install command when TensorRT is missing
-        device = (args.device or "cuda:0").strip()
-        return (TRTBackend(source, f"cuda:{device}" if device.isdigit() else device, plugins=args.plugins), source,
-                "TensorRT")
-    if args.engine_file:
+    backend = args.backend or ("tensorrt" if args.engine_file else "onnxruntime")
+    if backend == "tensorrt" and args.onnx:
+        raise QATError("--backend tensorrt runs engines: pass --engine-file X.engine (build one from the ONNX with "
+                       "scripts/generate_trt_engine.sh), or use --backend onnxruntime for --onnx.")
+    if backend == "onnxruntime" and args.engine_file:
         raise QATError("--backend onnxruntime runs ONNX graphs, not TensorRT engines: pass --onnx X.onnx.")
-    from utils.qat.backends import ORTBackend
-    device = select_device(args.device) if args.device else torch.device("cpu")
-    if source.suffix.lower() != ".onnx" and source.is_file():
+    if backend == "onnxruntime" and source.suffix.lower() != ".onnx" and source.is_file():
         raise QATError(f"{source} is not an .onnx file; export one with export_qat.py --include onnx.")
-    try:
-        return ORTBackend(source, device), source, "ONNX Runtime"
-    except QATError:
-        raise
-    except Exception as e:  # onnxruntime raises its own types for unreadable graphs
-        raise QATError(f"ONNX Runtime cannot load {source} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
-                       f"re-export it with export_qat.py (graphs with TensorRT plugins, e.g. --nms trt, run in "
-                       f"TensorRT only: export with --nms onnx to evaluate here).") from e
+    return open_backend(source, args.device, kind=backend, plugins=args.plugins), source
 
 
 def main(args: argparse.Namespace) -> dict:
@@ -116,23 +80,21 @@ def main(args: argparse.Namespace) -> dict:
     from utils.qat.atomic import write_text
     from utils.qat.data import check_imgsz, check_polygons, data_argument, load_data_yaml
     from utils.qat.evaluate import evaluate
-    from utils.qat.evaluate_seg import evaluate_seg
     from utils.qat.validate import check_args
     check_args(args)
     if args.report and not Path(args.report).is_file():
         raise QATError(f"--report {args.report} not found; pass the report.json that qat.py quantize wrote.")
     args.data = data_argument(args.data)
     data = load_data_yaml(args.data, splits=("val",))
-    backend, source, runtime = make_backend(args)
-    model_task = getattr(backend, "task", None) or "detect"
-    task = args.task or model_task
-    if task == "segment" and model_task != "segment":
+    backend, source = open_source(args)
+    runtime = backend.runtime
+    task = args.task or backend.task
+    if task == "segment" and backend.task != "segment":
         raise QATError(f"{source} is a detection model (no mask outputs); evaluate it with --task detect.")
     if task == "segment":
         check_polygons(data, ("val",))
-    elif model_task == "segment":
+    elif backend.task == "segment":
         print("notice: --task detect on a segmentation model: box metrics only.")
-        backend = _BoxesOnly(backend, len(backend.names or data["names"]))
     if backend.names and len(backend.names) != len(data["names"]):
         raise QATError(f"{source} predicts {len(backend.names)} classes but {args.data} has {len(data['names'])}; "
                        f"evaluate it on the dataset it was trained for.")
@@ -144,12 +106,11 @@ def main(args: argparse.Namespace) -> dict:
         print(f"notice: {source.name} has a fixed batch of {backend.batch_size}; using it instead of --batch-size "
               f"{args.batch_size}.")
     out = reports.run_dir(args.project, args.name, args.exist_ok)
-    kind = "End2End" if getattr(backend, "end2end", False) else "plain"
+    kind = "End2End" if backend.end2end else "plain"
     start = time.time()
-    m = (evaluate_seg if task == "segment" else evaluate)(
-        backend, data, imgsz=imgsz, batch_size=args.batch_size, conf_thres=args.conf_thres, iou_thres=args.iou_thres,
-        max_det=args.max_det, workers=args.workers, num_images=args.num_image,
-        save_json=out / "predictions.json" if args.save_json else None, desc=f"{runtime} ({kind})")
+    m = evaluate(backend, data, task=task, imgsz=imgsz, batch_size=args.batch_size, conf_thres=args.conf_thres,
+                 iou_thres=args.iou_thres, max_det=args.max_det, workers=args.workers, num_images=args.num_image,
+                 save_json=out / "predictions.json" if args.save_json else None, desc=f"{runtime} ({kind})")
     row = reports.entry(source.name, source, m, time.time() - start, backend=runtime, graph=kind, task=task,
                         imgsz=list(backend.imgsz) if backend.imgsz else imgsz)
     write_text(out / "results.json", json.dumps({**row, "instances": m.instances, **reports.per_class(m),

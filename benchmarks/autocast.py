@@ -46,7 +46,6 @@ from utils.qat.atomic import write_text  # noqa: E402
 from utils.qat.backends import ORTBackend  # noqa: E402
 from utils.qat.data import load_data_yaml  # noqa: E402
 from utils.qat.evaluate import evaluate  # noqa: E402
-from utils.qat.evaluate_seg import evaluate_seg  # noqa: E402
 from utils.qat.onnx_export import export_onnx, load_for_export  # noqa: E402
 
 VARIANTS = (("FP32+INT8", False), ("FP16+INT8 (AutoCast)", True))
@@ -149,9 +148,8 @@ def main(args: argparse.Namespace) -> dict:
         facts = graph_facts(path, fp_patterns)
         backend = ORTBackend(path, "cpu")
         t0 = time.time()
-        m = (evaluate_seg if task == "segment" else evaluate)(
-            backend, data, imgsz=args.imgsz, batch_size=args.batch_size, workers=args.workers,
-            num_images=args.num_image, desc=f"ORT {name}")
+        m = evaluate(backend, data, task=task, imgsz=args.imgsz, batch_size=args.batch_size, workers=args.workers,
+                     num_images=args.num_image, desc=f"ORT {name}")
         eval_s = time.time() - t0
         row = reports.entry(name, path, m, eval_s)
         rows.append(row)

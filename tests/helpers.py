@@ -73,9 +73,7 @@ def reinit(model: nn.Module, seed: int = 0) -> nn.Module:
 
 def build(cfg, nc: int | None = None, seed: int = 0) -> nn.Module:
     """A DetectionModel from a yaml path or dict, re-initialised, with class names set."""
-    from models.yolo import DetectionModel
-    from utils.qat.checkpoint import isolated_build
-    with isolated_build():
-        model = DetectionModel(cfg=dict(cfg) if isinstance(cfg, dict) else str(cfg), ch=3, nc=nc)
+    from utils.qat import yolov9
+    model = yolov9.build(cfg, nc)
     model.names = {i: f"class{i}" for i in range(model.yaml["nc"] if nc is None else nc)}
     return reinit(model, seed)

@@ -12,7 +12,7 @@ if str(REPO) not in sys.path:  # `python3 -m pytest` from the repository root ha
     sys.path.append(str(REPO))
 
 from utils.qat.artifact import (ArtifactMeta, is_end2end, parse_names, parse_stride, read_props,  # noqa: E402
-                                write_props)
+                                task_from_outputs, write_props)
 
 
 @pytest.mark.parametrize("text", [
@@ -33,6 +33,17 @@ def test_unreadable_names_are_absent_and_never_run(text):
 def test_stride():
     assert parse_stride("32") == parse_stride("32.0") == parse_stride(32) == parse_stride("[8, 16, 32]") == 32
     assert parse_stride(None) is None and parse_stride("tensor([32.])") is None and parse_stride("0") is None
+
+
+def test_task_from_outputs_without_metadata():
+    """What a graph or engine serves when its metadata does not say: prototypes (rank 4) or det_masks mean
+    segmentation, whatever the output names."""
+    assert task_from_outputs(["output0"], [3]) == "detect"
+    assert task_from_outputs(["output0", "output1"], [3, 4]) == "segment"
+    assert task_from_outputs(["preds", "protos"], [3, 4]) == "segment"  # renamed outputs: the rank says it
+    e2e = ["num_dets", "det_boxes", "det_scores", "det_classes"]
+    assert task_from_outputs(e2e, [2, 3, 2, 2]) == "detect"
+    assert task_from_outputs(e2e + ["det_masks"], [2, 3, 2, 2, 3]) == "segment"
 
 
 def test_onnx_props_and_engine_sidecar_round_trip():

@@ -94,8 +94,8 @@ def _run(path, x: torch.Tensor) -> dict[str, np.ndarray]:
 
 @torch.no_grad()
 def _torch(model, x: torch.Tensor) -> np.ndarray:
-    from utils.qat.backends import main_output
-    return main_output(model(x)).numpy()
+    from utils.qat.yolov9 import outputs
+    return outputs(model(x), "detect")[0].numpy()
 
 
 def _io(path) -> tuple[dict, dict]:
@@ -555,6 +555,19 @@ def test_cli_errors(yolov9_tree, work):
                       "--dynamic")
     assert "--dynamic" in error and "--batch" in error
     assert not list(bad.iterdir())
+
+
+def test_open_backend_by_suffix(yolov9_tree, work, fp_dynamic):
+    """utils.qat.backends.open_backend: a .pt checkpoint runs in PyTorch, an .onnx in ONNX Runtime, both with every
+    attribute of the Backend protocol."""
+    from typing import get_type_hints
+
+    from utils.qat.backends import Backend, open_backend
+    for path, runtime in ((work / "gelan-c.pt", "PyTorch"), (fp_dynamic, "ONNX Runtime")):
+        backend = open_backend(path, "cpu")
+        assert (backend.runtime, backend.task, backend.stride) == (runtime, "detect", 32)
+        assert [k for k in get_type_hints(Backend) if not hasattr(backend, k)] == []
+        assert backend(torch.zeros(1, 3, 64, 64)).shape[:2] == (1, 84)
 
 
 def test_library_errors(yolov9_tree, work, small_data):

@@ -416,15 +416,13 @@ def test_lint_clean_on_segmentation_models(yolov9_tree, shared, cfg, tmp_path):
     """Segmentation heads (Segment's Proto branch with its Upsample, DualDSegment's two proto convs) get
     quantizers where TensorRT needs them: zero lint findings, output0 + output1 in the graph."""
     from models.quantize import QuantConfig, quantize
-    from models.yolo import SegmentationModel
-    from utils.qat.checkpoint import isolated_build
+    from utils.qat import yolov9
     from utils.qat.onnx_export import export_onnx
     from utils.qat.onnx_qdq import lint
     yaml_path = yolov9_tree / "models" / "segment" / f"{cfg}.yaml"
     if "dseg" in cfg and "class DualDSegment(" not in (yolov9_tree / "models" / "yolo.py").read_text():
         pytest.skip(f"{cfg} needs DualDSegment from upstream models/yolo.py, which this YOLOv9 tree lacks")
-    with isolated_build():
-        model = SegmentationModel(cfg=str(yaml_path), ch=3, nc=80)
+    model = yolov9.build(yaml_path, 80, task="segment")
     model.names = {i: str(i) for i in range(80)}
     reinit(model)
     x = real_images(shared / "datasets" / "coco369" / "images" / "train2017", 1, 64)

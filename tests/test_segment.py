@@ -102,9 +102,9 @@ def test_paste_masks_fills_its_box():
 
 
 def test_match_equals_upstream_process_batch():
-    """Our matching (used for masks) gives upstream val.py's correct-matrix on boxes."""
+    """Our matching (boxes and masks, every task) gives upstream val.py's correct-matrix on boxes."""
     from utils.metrics import box_iou
-    from utils.qat.evaluate_seg import match
+    from utils.qat.evaluate import match
     from val import process_batch
     g = torch.Generator().manual_seed(0)
     iouv = torch.linspace(0.5, 0.95, 10)
@@ -134,12 +134,12 @@ import val as seg_val
 from utils.qat import checkpoint
 from utils.qat.backends import TorchBackend
 from utils.qat.data import load_data_yaml
-from utils.qat.evaluate_seg import evaluate_seg
+from utils.qat.evaluate import evaluate
 up = seg_val.run(data={str(seg_shapes)!r}, weights={str(SEG)!r}, imgsz=256, batch_size=8, device='cpu', iou_thres=0.7,
                  workers=2, plots=False, half=False)[0][:8]
 m = checkpoint.load_fp({str(SEG)!r}, task='segment')
-r = evaluate_seg(TorchBackend(m, torch.device('cpu'), task='segment'), load_data_yaml({str(seg_shapes)!r}),
-                 imgsz=256, batch_size=8, iou_thres=0.7, workers=2)
+r = evaluate(TorchBackend(m, torch.device('cpu'), task='segment'), load_data_yaml({str(seg_shapes)!r}), task='segment',
+             imgsz=256, batch_size=8, iou_thres=0.7, workers=2)
 ours = [r.box.P, r.box.R, r.box.mAP50, r.box.mAP50_95, r.mask.P, r.mask.R, r.mask.mAP50, r.mask.mAP50_95]
 print(json.dumps({{'upstream': [float(x) for x in up], 'ours': ours}}))
 """

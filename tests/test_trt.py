@@ -381,6 +381,27 @@ def test_backend_missing_engine_and_no_gpu(tmp_path, fake_trt, monkeypatch):
         trt_engine.TRTBackend(engine, device="cpu")
 
 
+def test_open_backend_opens_an_engine_as_a_backend(tmp_path, fake_trt, monkeypatch):
+    """utils.qat.backends.open_backend picks TensorRT for .engine (or kind='tensorrt'), and what it returns has
+    every attribute of the Backend protocol that the evaluator reads."""
+    from typing import get_type_hints
+
+    from utils.qat.backends import Backend, open_backend
+    engine = _engine(tmp_path, fake_trt, kind="segment")
+    monkeypatch.setattr(trt_engine, "TRTBackend", CPUBackend)  # open_backend imports it when called
+    be = open_backend(engine)
+    assert isinstance(be, CPUBackend) and be.runtime == "TensorRT" and be.task == "segment"
+    assert [k for k in get_type_hints(Backend) if not hasattr(be, k)] == []
+    plan = engine.with_suffix(".plan")
+    for src, dest in ((engine, plan), (trt_engine.metadata_path(engine), trt_engine.metadata_path(plan))):
+        src.rename(dest)
+    assert isinstance(open_backend(plan, kind="tensorrt"), CPUBackend)
+    with pytest.raises(QATError, match=r"not a model file.*\.engine \(TensorRT\)"):
+        open_backend(plan)
+    with pytest.raises(QATError, match="engine file .* not found"):
+        open_backend(tmp_path / "none.engine")
+
+
 def test_backend_default_alloc_makes_torch_buffers():
     holder = types.SimpleNamespace(device=torch.device("cpu"))
     buf = trt_engine.TRTBackend._alloc(holder, (2, 84, 10), torch.float16)  # type: ignore[arg-type]

@@ -13,17 +13,18 @@ sidecar ``X.engine.json``. :class:`ArtifactMeta` holds the fields every consumer
 parsed with ``ast.literal_eval``, which evaluates no code. A value that cannot be read counts as absent.
 
 The End2End output names (:data:`END2END_OUTPUTS`, :data:`MASK_OUTPUT`) live here too: they are what tells a
-consumer that a graph or engine already holds NMS. No onnx, torch or TensorRT import here.
+consumer that a graph or engine already holds NMS (and, with the rank of the outputs, which task a graph without
+metadata serves: :func:`task_from_outputs`). No onnx, torch or TensorRT import here.
 """
 from __future__ import annotations
 
 import ast
 import json
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 __all__ = ["END2END_OUTPUTS", "MASK_OUTPUT", "ArtifactMeta", "is_end2end", "parse_names", "parse_stride",
-           "read_props", "write_props"]
+           "read_props", "task_from_outputs", "write_props"]
 
 #: The outputs of an End2End graph (NMS in the graph), in order; segmentation adds :data:`MASK_OUTPUT`.
 END2END_OUTPUTS = ("num_dets", "det_boxes", "det_scores", "det_classes")
@@ -33,6 +34,14 @@ MASK_OUTPUT = "det_masks"
 def is_end2end(output_names: Iterable[str]) -> bool:
     """The graph or engine with these outputs holds NMS (every name of :data:`END2END_OUTPUTS`)."""
     return set(END2END_OUTPUTS) <= set(output_names)
+
+
+def task_from_outputs(output_names: Sequence[str], ranks: Sequence[int]) -> str:
+    """The task of a graph or engine whose metadata does not say: 'segment' when it has :data:`MASK_OUTPUT` or
+    (without NMS) a rank-4 output, the prototypes of a plain export; else 'detect'."""
+    if MASK_OUTPUT in output_names or (not is_end2end(output_names) and 4 in ranks):
+        return "segment"
+    return "detect"
 
 
 def _literal(value: Any) -> Any:

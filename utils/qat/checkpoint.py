@@ -8,22 +8,19 @@ toolkit version.
 """
 from __future__ import annotations
 
-import contextlib
 import io
-import logging
 import os
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
-from utils.qat import __version__
+from utils.qat import __version__, yolov9
 from utils.qat.atomic import write_bytes
 from utils.qat.compat import trust_checkpoint
 from utils.qat.errors import QATError
 
 FORMAT = "yolov9-qat"
-TASKS = {"DetectionModel": "detect", "SegmentationModel": "segment", "ClassificationModel": "classify"}
 
 
 def read(path: str | os.PathLike) -> dict:
@@ -48,8 +45,7 @@ def is_quantized(ckpt: dict) -> bool:
 def task_of(ckpt: dict) -> str:
     if is_quantized(ckpt):
         return ckpt.get("task", "detect")
-    model = ckpt.get("ema") or ckpt["model"]
-    return TASKS.get(type(model).__name__, "detect" if hasattr(model, "stride") else "unknown")
+    return yolov9.task_of_model(ckpt.get("ema") or ckpt["model"])
 
 
 def check_task(ckpt: dict, path, task: str) -> None:
@@ -103,35 +99,10 @@ def save_quantized(path: str | os.PathLike, model: nn.Module, info, *, epoch: in
     return write_bytes(path, buffer.getbuffer())
 
 
-@contextlib.contextmanager
-def isolated_build():
-    """Build upstream models from yamls without side effects: upstream's ``parse_model`` sets
-    ``Conv.default_act`` (a class attribute) from a yaml's ``activation:`` and leaves it for every model
-    built afterwards; this restores every class default afterwards, and quiets the model table."""
-    import models.common
-    from utils.general import LOGGER
-    saved = {cls: cls.default_act for cls in vars(models.common).values()
-             if isinstance(cls, type) and "default_act" in vars(cls)}
-    level = LOGGER.level
-    LOGGER.setLevel(logging.WARNING)
-    try:
-        yield
-    finally:
-        LOGGER.setLevel(level)
-        for cls, act in saved.items():
-            cls.default_act = act
-
-
 def rebuild(ckpt: dict) -> nn.Module:
     """A fused FP model built from the checkpoint's yaml, matching the quantized model's structure."""
     from models.quantize import fuse
-    from models.yolo import DetectionModel
-    builder = DetectionModel
-    if ckpt.get("task") == "segment":
-        from models.yolo import SegmentationModel as builder
-    with isolated_build():
-        model = builder(cfg=dict(ckpt["yaml"]), ch=3, nc=ckpt["nc"])
-    return fuse(model.float())
+    return fuse(yolov9.build(ckpt["yaml"], ckpt["nc"], task=ckpt.get("task", "detect")).float())
 
 
 def load_quantized(path: str | os.PathLike, task: str = "detect", ckpt: dict | None = None):

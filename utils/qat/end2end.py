@@ -191,12 +191,9 @@ def append_nms(model: onnx.ModelProto, *, nc: int, task: str = "detect", options
     else:
         indices = _nms_onnx(b, boxes_xywh, scores, opts, with_indices=bool(nm))
 
-    new_outputs = [
-        helper.make_tensor_value_info("num_dets", TensorProto.INT32, ["batch", 1]),
-        helper.make_tensor_value_info("det_boxes", TensorProto.FLOAT, ["batch", k, 4]),
-        helper.make_tensor_value_info("det_scores", TensorProto.FLOAT, ["batch", k]),
-        helper.make_tensor_value_info("det_classes", TensorProto.INT32, ["batch", k]),
-    ]
+    types = ((TensorProto.INT32, ["batch", 1]), (TensorProto.FLOAT, ["batch", k, 4]), (TensorProto.FLOAT, ["batch", k]),
+             (TensorProto.INT32, ["batch", k]))  # num_dets, det_boxes, det_scores, det_classes
+    new_outputs = [helper.make_tensor_value_info(name, dtype, shape) for name, (dtype, shape) in zip(END2END_OUTPUTS, types)]
     if nm:
         _masks(b, protos, coeffs, indices, nm, opts)
         r = int(opts.mask_resolution)
@@ -265,16 +262,17 @@ def _nms_onnx(b: _Builder, boxes_xywh: str, scores: str, opts: NMSOptions, with_
     top_scores, top_idx = b.op("TopK", [dense, b.i64(k)], n_out=2, axis=1, largest=1, sorted=1)  # B, K
     valid = b.op("Greater", [top_scores, b.const(-0.5, np.float32)])  # B, K
 
+    num_dets, det_boxes, det_scores, det_classes = END2END_OUTPUTS
     b.op("Cast", [b.reduce("ReduceSum", b.op("Cast", [valid], to=TensorProto.FLOAT), [1], keepdims=1)],
-         outputs=["num_dets"], to=TensorProto.INT32)
-    b.op("Where", [valid, top_scores, b.const(0.0, np.float32)], outputs=["det_scores"])
+         outputs=[num_dets], to=TensorProto.INT32)
+    b.op("Where", [valid, top_scores, b.const(0.0, np.float32)], outputs=[det_scores])
     padded_boxes = b.op("Pad", [sel_boxes, b.i64(0, 0, k, 0), b.const(0.0, np.float32)], mode="constant")
     boxes_k = b.op("Gather", [padded_boxes, top_idx], axis=0)  # B, K, 4
-    b.op("Where", [b.unsqueeze(valid, 2), boxes_k, b.const(0.0, np.float32)], outputs=["det_boxes"])
+    b.op("Where", [b.unsqueeze(valid, 2), boxes_k, b.const(0.0, np.float32)], outputs=[det_boxes])
     padded_classes = b.op("Pad", [b.op("Cast", [sel_classes], to=TensorProto.INT32), b.i64(0, k),
                                   b.const(0, np.int32)], mode="constant")
     classes_k = b.op("Gather", [padded_classes, top_idx], axis=0)  # B, K
-    b.op("Where", [valid, classes_k, b.const(0, np.int32)], outputs=["det_classes"])
+    b.op("Where", [valid, classes_k, b.const(0, np.int32)], outputs=[det_classes])
     if not with_indices:
         return None
     sel_anchor = b.op("Gather", [selected, b.const(2, np.int64)], axis=1)  # N
@@ -286,7 +284,7 @@ def _nms_onnx(b: _Builder, boxes_xywh: str, scores: str, opts: NMSOptions, with_
 def _masks(b: _Builder, protos: str, coeffs: str, indices: str, nm: int, opts: NMSOptions) -> None:
     """det_masks: each detection's mask coefficients times the prototypes pooled inside its box."""
     k, r = int(opts.topk_all), int(opts.mask_resolution)
-    det_boxes = "det_boxes"
+    num_dets, det_boxes = END2END_OUTPUTS[:2]
     idx = b.op("Cast", [indices], to=TensorProto.INT64)  # B, K
     batch_size = b.op("Gather", [b.op("Shape", [idx]), b.const(0, np.int64)], axis=0)
     rows = b.unsqueeze(b.op("Range", [b.const(0, np.int64), batch_size, b.const(1, np.int64)]), 1)  # B, 1
@@ -311,5 +309,5 @@ def _masks(b: _Builder, protos: str, coeffs: str, indices: str, nm: int, opts: N
     # rows past num_dets are 0, like the other outputs
     valid = b.op("Less", [b.unsqueeze(b.op("Range", [b.const(0, np.int64), b.const(k, np.int64),
                                                       b.const(1, np.int64)]), 0),
-                          b.op("Cast", ["num_dets"], to=TensorProto.INT64)])  # B, K
+                          b.op("Cast", [num_dets], to=TensorProto.INT64)])  # B, K
     b.op("Where", [b.unsqueeze(valid, 2), masks, b.const(0.0, np.float32)], outputs=[MASK_OUTPUT])

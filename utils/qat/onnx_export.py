@@ -16,7 +16,7 @@
    and saves the file atomically: nothing half-written is left on any error.
 
 The detection head is put in export mode on the head *instance* only, and restored afterwards. Dual
-heads (DualDDetect, ...) export their main (last) branch only.
+heads (DualDDetect, ...) export their main (last) branch only (``utils.qat.yolov9.outputs``).
 """
 from __future__ import annotations
 
@@ -34,21 +34,20 @@ import torch
 import torch.nn as nn
 from onnx import numpy_helper
 
-from utils.qat import __version__, onnx_qdq
+from utils.qat import __version__, onnx_qdq, yolov9
 from utils.qat.artifact import ArtifactMeta, write_props
 from utils.qat.atomic import atomic_path
 from utils.qat.errors import QATError
 from utils.qat.onnx_graph import constant_value
 
 __all__ = ["export_onnx", "format_report", "to_fp16", "fold_weight_qdq", "quantized_weights", "load_for_export",
-           "parse_imgsz", "find_head", "head_kind", "is_quantized_model", "readable", "DeepStreamOutput",
-           "OUTPUT_NAMES"]
+           "parse_imgsz", "is_quantized_model", "readable", "DeepStreamOutput", "OUTPUT_NAMES"]
 
 OUTPUT_NAMES = {"detect": ["output0"], "segment": ["output0", "output1"], "classify": ["output0"]}
 INPUT_NAME = "images"
-#: Heads whose upstream export mode is broken (DualDSegment returns a batch slice): exported in eval mode.
-_NO_EXPORT_MODE = {"DualDSegment"}
-_HEAD_STATE = ("export", "dynamic", "inplace", "shape", "anchors", "strides")
+#: Head families whose upstream export mode is broken (DualDSegment returns a batch slice): exported in eval mode.
+_NO_EXPORT_MODE = {"dual segment"}
+_HEAD_STATE = ("export", "dynamic", "shape", "anchors", "strides")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -79,41 +78,25 @@ def parse_imgsz(values: Sequence[int], stride: int, flag: str = "--imgsz") -> tu
     return check_imgsz(h, stride), check_imgsz(w, stride)
 
 
-def find_head(model: nn.Module) -> nn.Module | None:
-    """The last layer of a YOLOv9 model (its Detect / DDetect / DualDDetect / Segment ... head)."""
-    layers = getattr(model, "model", None)
-    if isinstance(layers, nn.Sequential) and len(layers):
-        return layers[-1]
-    return None
-
-
-def head_kind(model: nn.Module) -> str:
-    """'dual' for heads with an auxiliary branch (DualDDetect, DualDSegment, Triple...), else 'single'."""
-    head = find_head(model)
-    name = type(head).__name__ if head is not None else ""
-    return "dual" if name.startswith(("Dual", "Triple")) else "single"
-
-
 def is_quantized_model(model: nn.Module) -> bool:
     """Has modelopt quantizers (checked by class name so that FP exports never import modelopt)."""
     return any(type(m).__name__ in ("TensorQuantizer", "SequentialQuantizer") for m in model.modules())
 
 
 @contextlib.contextmanager
-def _export_mode(head: nn.Module | None, *, dynamic_hw: bool, inplace: bool | None):
-    """Head in export mode on this instance only; every attribute it touches is restored on exit."""
+def _export_mode(model: nn.Module, *, dynamic_hw: bool):
+    """The model's head in export mode on this instance only; every attribute it touches is restored on exit."""
+    head = yolov9.head(model)
     if head is None:
         yield
         return
     saved = {k: head.__dict__[k] for k in _HEAD_STATE if k in head.__dict__}
     try:
-        if type(head).__name__ not in _NO_EXPORT_MODE:
+        if yolov9.family(model) not in _NO_EXPORT_MODE:
             head.export = True
         head.dynamic = bool(dynamic_hw)  # recompute anchors from the traced feature shapes
         if dynamic_hw:
             head.shape = None
-        if inplace is not None:
-            head.inplace = bool(inplace)
         yield
     finally:
         for k in _HEAD_STATE:
@@ -121,26 +104,6 @@ def _export_mode(head: nn.Module | None, *, dynamic_hw: bool, inplace: bool | No
                 setattr(head, k, saved[k])
             else:
                 head.__dict__.pop(k, None)
-
-
-def head_outputs(out, task: str) -> tuple[torch.Tensor, ...]:
-    """The inference tensors of a YOLOv9 head: ``(pred,)``, or ``(pred, protos)`` for segmentation.
-    Dual heads give their main (last) branch."""
-    if torch.is_tensor(out):
-        return (out,)
-    if task == "segment":
-        pred, protos = out[0], out[1]
-        while isinstance(pred, (list, tuple)):  # dual: [aux, main]
-            pred = pred[-1]
-        while isinstance(protos, (list, tuple)):  # eval mode: (train_out, mc, protos)
-            protos = protos[-1]
-        return pred, protos
-    pred = out
-    while isinstance(pred, (list, tuple)):
-        first = pred[0]
-        # export mode dual head: [aux, main]; eval mode: (y, train_out)
-        pred = pred[-1] if all(torch.is_tensor(p) for p in pred) and len(pred) > 1 else first
-    return (pred,)
 
 
 class _Exportable(nn.Module):
@@ -152,7 +115,7 @@ class _Exportable(nn.Module):
         self.shapes: list[tuple[int, ...]] = []
 
     def forward(self, x):
-        outs = head_outputs(self.model(x), self.task)
+        outs = yolov9.outputs(self.model(x), self.task)
         if self.post is not None:
             outs = self.post(*outs)
             outs = (outs,) if torch.is_tensor(outs) else tuple(outs)
@@ -332,8 +295,7 @@ def _fix_output_shapes(model: onnx.ModelProto, shapes: list[tuple[int, ...]], dy
 def export_onnx(model: nn.Module, path: str | os.PathLike, *, imgsz: int | Sequence[int] = (640, 640),
                 batch_size: int = 1, dynamic: bool = False, dynamic_hw: bool = True, opset: int = 17,
                 simplify: bool = False, half: bool = False, end2end: dict | None = None, task: str = "detect",
-                metadata: dict | None = None, device: str | torch.device = "cpu", inplace: bool | None = None,
-                post: nn.Module | None = None, input_names: Sequence[str] | None = None,
+                metadata: dict | None = None, device: str | torch.device = "cpu", post: nn.Module | None = None, input_names: Sequence[str] | None = None,
                 output_names: Sequence[str] | None = None, allow_fp: Sequence[str] = ()) -> dict:
     """Export ``model`` (FP or fake-quantized YOLOv9, eval mode) to ``path``; return a report dict.
 
@@ -369,10 +331,9 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, *, imgsz: int | Seque
     quantized = is_quantized_model(model)
     device = torch.device(device)
     model = model.to(device).eval()
-    head = find_head(model)
-    stride = int(max(model.stride.tolist())) if hasattr(model, "stride") and model.stride is not None else 32
+    stride = yolov9.model_stride(model)
     names = dict(getattr(model, "names", {}) or {})
-    nc = int(getattr(head, "nc", 0) or getattr(model, "nc", 0) or len(names))
+    nc = yolov9.num_classes(model) or len(names)
     input_names = list(input_names or [INPUT_NAME])
     output_names = list(output_names or OUTPUT_NAMES.get(task, ["output0"]))
     dynamic_axes: dict[str, dict[int, str]] = {}
@@ -388,7 +349,7 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, *, imgsz: int | Seque
     example = torch.zeros(batch_size, 3, h, w, device=device)
 
     try:
-        with atomic_path(path) as tmp, _export_mode(head, dynamic_hw=dynamic and dynamic_hw, inplace=inplace), \
+        with atomic_path(path) as tmp, _export_mode(model, dynamic_hw=dynamic and dynamic_hw), \
                 torch.no_grad(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
             warnings.filterwarnings("ignore", category=UserWarning)

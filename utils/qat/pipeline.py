@@ -51,12 +51,9 @@ class Evaluation:
                  save_json: Path | None = None) -> tuple[Any, float]:
         """``(metrics, seconds)`` of ``model`` (a torch model, FP or fake-quantized)."""
         from utils.qat.backends import TorchBackend
-        if self.task == "segment":
-            from utils.qat.evaluate_seg import evaluate_seg as loop
-        else:
-            from utils.qat.evaluate import evaluate as loop
+        from utils.qat.evaluate import evaluate
         start = time.time()
-        m = loop(TorchBackend(model, self.device, task=self.task), self.data, imgsz=self.imgsz,
+        m = evaluate(TorchBackend(model, self.device, task=self.task), self.data, task=self.task, imgsz=self.imgsz,
                  batch_size=self.batch_size, conf_thres=self.conf_thres, iou_thres=self.iou_thres,
                  workers=self.workers, num_images=num_images, save_json=save_json, desc=desc)
         return m, time.time() - start

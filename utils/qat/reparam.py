@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from utils.qat.atomic import atomic_path
-from utils.qat.checkpoint import isolated_build
 from utils.qat.errors import QATError
+from utils.qat.yolov9 import FAMILIES, build, head_name, is_dual, isolated_build, num_classes, outputs, task_of_model
 
 SIZES = ("t", "s", "m", "c", "e")
 INPUT = "input"  # the image tensor: the source of layer 0 (and of anything behind a Silence at 0)
@@ -67,24 +67,10 @@ HEAD_SPECS: dict[str, HeadSpec] = {
                              {"cv2": "cv4", "cv3": "cv5", "dfl": "dfl2", "cv4": "cv7", "proto": "proto2"},
                              "models/segment/gelan-{}-dseg.yaml"),
 }
-SINGLE_HEADS = {"Detect", "DDetect", "Segment", "DSegment", "Panoptic"}
 
 
 # ---------------------------------------------------------------------------------------------------
 # model inspection
-
-def head_name(model: nn.Module) -> str:
-    return type(model.model[-1]).__name__
-
-
-def is_dual(model: nn.Module) -> bool:
-    """True for a training model with auxiliary branch(es) (a head listed in HEAD_SPECS)."""
-    return head_name(model) in HEAD_SPECS
-
-
-def num_classes(model: nn.Module) -> int:
-    return int(getattr(model.model[-1], "nc", getattr(model, "nc", 0)))
-
 
 def sources(layer: nn.Module) -> list:
     """Absolute indices of a layer's inputs (``INPUT`` for the image)."""
@@ -326,33 +312,8 @@ def identify(model: nn.Module, root: Path | None = None) -> Path | None:
     return None
 
 
-def detect_size(model: nn.Module, root: Path | None = None) -> str | None:
-    """The size letter (t, s, m, c, e) of the yolov9-X yaml ``model`` was built from, or None (custom)."""
-    path = identify(model, root)
-    return re.match(r"yolov9-([tsmce])", path.stem).group(1) if path else None
-
-
-def build_model(cfg: Path, nc: int, like: nn.Module | None = None) -> nn.Module:
-    """An upstream model from ``cfg`` (same class as ``like`` when that is a DetectionModel subclass)."""
-    from models.yolo import DetectionModel
-    cls = type(like) if like is not None and isinstance(like, DetectionModel) else DetectionModel
-    with isolated_build():
-        return cls(str(cfg), ch=3, nc=nc)
-
-
 # ---------------------------------------------------------------------------------------------------
 # conversion
-
-def _main_outputs(out, head: str) -> list[torch.Tensor]:
-    """The main-branch prediction tensors of an eval-mode forward."""
-    if head in ("DSegment", "DualDSegment"):
-        return [out[0], out[1][2]]  # detections + mask coefficients, protos (main branch for DualDSegment)
-    if head in ("DualDDetect", "DualDetect"):
-        return [out[0][1]]
-    if head == "TripleDetect":
-        return [out[0][2]]
-    return [out[0]]  # DDetect, Detect, TripleDDetect (returns its third head only)
-
 
 def verify(dual_model: nn.Module, gelan_model: nn.Module, imgsz: int = 64, tol: float = 1e-3) -> float:
     """Run both (FP32, eval) on one random image; the converted model must reproduce the main branch.
@@ -365,8 +326,8 @@ def verify(dual_model: nn.Module, gelan_model: nn.Module, imgsz: int = 64, tol: 
     p = next(gelan_model.parameters())
     x = torch.rand(1, 3, imgsz, imgsz, generator=torch.Generator().manual_seed(0)).to(p.device)
     with torch.no_grad():
-        want = _main_outputs(dual_model(x), head_name(dual_model))
-        got = _main_outputs(gelan_model(x), head_name(gelan_model))
+        want = outputs(dual_model(x), task_of_model(dual_model))
+        got = outputs(gelan_model(x), task_of_model(gelan_model))
     worst = 0.0
     for a, b in zip(want, got):
         if a.shape != b.shape:
@@ -390,7 +351,7 @@ def convert(dual_model: nn.Module, cfg: str | Path, nc: int | None = None, names
     device = torch.device(device)
     nc = num_classes(dual_model) if nc is None else nc
     dual_model = dual_model.to(device)
-    gelan = build_model(Path(cfg), nc, like=dual_model).to(device)
+    gelan = build(Path(cfg), nc, task=task_of_model(dual_model)).to(device)
     keymap = build_state_map(dual_model, gelan)
     dual_sd = dual_model.state_dict()
     gelan.load_state_dict({k: dual_sd[v] for k, v in keymap.items()}, strict=True)
@@ -447,8 +408,11 @@ def resolve_cfg(cfg: str | Path, root: Path | None = None) -> Path:
 
 
 def reparameterize(weights: str | Path, model: str, save: str | Path | None = None, cfg: str | Path | None = None,
-                   classes_num: int = 80, device: str = "cpu", log: Callable[[str], object] = print) -> Path:
-    """The whole conversion, every check made before anything is written; returns the saved path."""
+                   classes_num: int | None = None, device: str = "cpu",
+                   log: Callable[[str], object] = print) -> Path:
+    """The whole conversion, every check made before anything is written; returns the saved path.
+    ``classes_num``: what the user said the class count is (the checkpoint's count is used; a different value is
+    reported as ignored)."""
     if model not in SIZES:
         raise QATError(f"--model {model} is not a YOLOv9 size; use one of {', '.join(SIZES)}.")
     from utils.qat.device import select_device
@@ -458,7 +422,7 @@ def reparameterize(weights: str | Path, model: str, save: str | Path | None = No
         raise QATError(f"--save {save} would overwrite --weights; choose another output path.")
     dual = load_training_model(weights)
     head = head_name(dual)
-    if head in SINGLE_HEADS:
+    if head in FAMILIES and not is_dual(dual):
         raise QATError(f"{weights} is already reparameterized (it ends in {head}, the inference head): nothing to "
                        f"do, use it as it is.")
     if not is_dual(dual):
@@ -478,8 +442,9 @@ def reparameterize(weights: str | Path, model: str, save: str | Path | None = No
     spec = HEAD_SPECS[head]
     cfg_path = resolve_cfg(cfg if cfg is not None else spec.yaml.format(model), root)
     nc = num_classes(dual)
-    if classes_num != nc:
-        log(f"notice: --classes_num {classes_num} differs from the checkpoint's {nc} classes; using {nc}")
+    if classes_num is not None and classes_num != nc:
+        log(f"notice: --classes_num {classes_num} is ignored: the checkpoint's head predicts {nc} classes, and the "
+            f"converted model keeps them")
     converted = convert(dual, cfg_path, nc=nc, device=dev)
     n_params = sum(p.numel() for p in converted.parameters())
     dropped = len(dual.model) - len(converted.model)

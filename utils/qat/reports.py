@@ -3,12 +3,21 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from utils.qat.atomic import PARTIAL, atomic_file, write_text
 
-COLUMNS = ("AP", "AP50", "Precision", "Recall")
+if TYPE_CHECKING:
+    from utils.qat.evaluate import Metrics
+
+#: Report keys of the primary scores (``evaluate.Scores`` field -> key; the reference README's naming, which
+#: report.json and results.json keep: AP is mAP50_95).
+KEYS = {"mAP50_95": "AP", "mAP50": "AP50", "P": "Precision", "R": "Recall"}
+#: Keys inside the Box / Mask groups of segmentation rows.
+GROUP_KEYS = {"P": "P", "R": "R", "mAP50": "mAP50", "mAP50_95": "mAP50-95"}
+COLUMNS = tuple(KEYS.values())
 SEG_GROUPS = ("Box", "Mask")
-SEG_COLUMNS = ("P", "R", "mAP50", "mAP50-95")
+SEG_COLUMNS = tuple(GROUP_KEYS.values())
 
 
 def run_dir(project: str | Path, name: str, exist_ok: bool) -> Path:
@@ -45,25 +54,24 @@ def replace_previous_run(run_dir: Path, stem: str) -> None:
               f"({', '.join(p.name for p in old[:4])}{', ...' if len(old) > 4 else ''}).")
 
 
-def entry(name: str, weights: str | Path | None, metrics, seconds: float, **extra) -> dict:
-    """One evaluated model: AP is mAP50-95, AP50 is mAP50 (the reference README's naming).
+def entry(name: str, weights: str | Path | None, metrics: Metrics, seconds: float, **extra) -> dict:
+    """One evaluated model: the primary scores under :data:`KEYS` (AP is mAP50_95, AP50 mAP50).
 
-    Segmentation metrics (with ``box`` and ``mask``) add ``Box`` and ``Mask`` groups of P, R, mAP50 and
-    mAP50-95; AP / AP50 / Precision / Recall are then the mask numbers, the ones that rank models."""
-    row = {"name": name, "weights": str(weights) if weights else None, "AP": round(metrics.mAP50_95, 4),
-           "AP50": round(metrics.mAP50, 4), "Precision": round(metrics.P, 4), "Recall": round(metrics.R, 4),
+    Segmentation metrics (with ``mask``) add ``Box`` and ``Mask`` groups of P, R, mAP50 and mAP50-95;
+    AP / AP50 / Precision / Recall are then the mask numbers, the ones that rank models."""
+    row = {"name": name, "weights": str(weights) if weights else None,
+           **{key: round(getattr(metrics.primary, f), 4) for f, key in KEYS.items()},
            "images": metrics.images, "seconds": round(seconds, 1)}
-    if hasattr(metrics, "box"):
-        for group, m in zip(SEG_GROUPS, (metrics.box, metrics.mask)):
-            row[group] = {"P": round(m.P, 4), "R": round(m.R, 4), "mAP50": round(m.mAP50, 4),
-                          "mAP50-95": round(m.mAP50_95, 4)}
+    if metrics.mask is not None:
+        for group, scores in zip(SEG_GROUPS, (metrics.box, metrics.mask)):
+            row[group] = {key: round(getattr(scores, f), 4) for f, key in GROUP_KEYS.items()}
     return {**row, **extra}
 
 
-def per_class(metrics) -> dict:
-    """AP50-95 per class (``per_class``; segmentation: the mask's, and the box's in ``box_per_class``)."""
-    out = {"per_class": metrics.per_class}
-    if hasattr(metrics, "box"):
+def per_class(metrics: Metrics) -> dict:
+    """mAP50_95 per class (``per_class``; segmentation: the mask's, and the box's in ``box_per_class``)."""
+    out = {"per_class": metrics.primary.per_class}
+    if metrics.mask is not None:
         out["box_per_class"] = metrics.box.per_class
     return out
 

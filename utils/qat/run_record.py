@@ -27,7 +27,7 @@ def ap_record(m: Any) -> dict:
     """The AP numbers of one evaluation for report.json's epochs and the sensitivity table (segmentation:
     the mask AP ranks, the box AP is kept beside it)."""
     record = {"AP": round(m.mAP50_95, 4), "AP50": round(m.mAP50, 4)}
-    if hasattr(m, "box"):
+    if m.mask is not None:
         record.update(box_AP=round(m.box.mAP50_95, 4), box_AP50=round(m.box.mAP50, 4))
     return record
 

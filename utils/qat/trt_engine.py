@@ -25,19 +25,21 @@ import json
 import os
 import re
 import sys
-import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence, Union
 
-from utils.qat.artifact import MASK_OUTPUT, ArtifactMeta, is_end2end, read_props
+from utils.qat.artifact import ArtifactMeta, is_end2end, read_props, task_from_outputs
 from utils.qat.atomic import atomic_path, write_text
 from utils.qat.errors import QATError
 from utils.qat.trt_common import (INSTALL_TENSORRT, check_batches, check_plugin_files, profile_shapes, release,
                                   require_onnx, require_tensorrt, version_tuple)
+from utils.qat.yolov9 import artifact_stride, exported_outputs
 
 if TYPE_CHECKING:  # torch is imported where it is used, so that the metadata helpers load fast (trtexec path)
     import tensorrt as trt
     import torch
+
+    from utils.qat.backends import Output
 
 METADATA_SUFFIX = ".json"  # the sidecar of X.engine is X.engine.json
 LAYER_INFO_SUFFIX = ".layer.json"  # X.engine.layer.json, as trtexec --exportLayerInfo names it here
@@ -49,7 +51,6 @@ THIRD_PARTY_PLUGINS = {"EfficientNMSX_TRT": "third-party plugin builds (such as 
 PARSER_PLUGINS = {"RoiAlign": ("ROIAlign_TRT", "2")}
 
 PathLike = Union[str, "os.PathLike[str]"]
-Output = Union["torch.Tensor", "tuple[torch.Tensor, ...]", "dict[str, torch.Tensor]"]
 
 
 # ----------------------------------------------------------------------------- version, imports
@@ -180,12 +181,7 @@ def onnx_metadata(onnx_path: PathLike) -> dict[str, Any]:
     meta["stride"], meta["names"] = art.stride, art.names
     outputs = [o.name for o in model.graph.output]
     meta["end2end"] = is_end2end(outputs)
-
-    def rank(vi: Any) -> int:
-        return len(vi.type.tensor_type.shape.dim)
-
-    is_seg = MASK_OUTPUT in outputs or (not meta["end2end"] and any(rank(o) == 4 for o in model.graph.output))
-    meta["task"] = art.task or ("segment" if is_seg else "detect")
+    meta["task"] = art.task or task_from_outputs(outputs, [len(o.type.tensor_type.shape.dim) for o in model.graph.output])
     meta["plugins"] = onnx_plugins(model)
     from utils.qat.onnx_graph import graph_inputs, input_dims
     inputs = graph_inputs(model)
@@ -446,7 +442,10 @@ class TRTBackend:
     ``(B, 4+nc, A)`` (a tuple ``(pred, protos)`` for segmentation), or for End2End engines a dict with
     ``num_dets``, ``det_boxes``, ``det_scores``, ``det_classes`` (and ``det_masks``).
     Device buffers are torch tensors (``_alloc``); the work runs on a private CUDA stream.
+    A ``utils.qat.backends.Backend``.
     """
+
+    runtime = "TensorRT"
 
     def __init__(self, engine_path: PathLike, device: str | torch.device = "cuda:0",
                  plugins: Sequence[PathLike] = ()) -> None:
@@ -512,15 +511,10 @@ class TRTBackend:
         self.fp16 = inp.dtype == torch.float16
         out_names = [o.name for o in self.outputs]
         self.end2end = is_end2end(out_names)
-        is_seg = MASK_OUTPUT in out_names or (not self.end2end and any(len(o.shape) == 4 for o in self.outputs))
-        self.task: str = str(self.meta.get("task") or ("segment" if is_seg else "detect"))
+        self.task: str = str(self.meta.get("task") or task_from_outputs(out_names, [len(o.shape) for o in self.outputs]))
         names = self.meta.get("names")
         self.names: dict[int, str] | None = names if isinstance(names, dict) else None
-        stride = self.meta.get("stride")
-        if stride is None:
-            warnings.warn(f"{metadata_path(self.engine_path)} is missing or has no stride; assuming 32 (build the "
-                          f"engine with scripts/generate_trt_engine.sh to record it).", stacklevel=2)
-        self.stride = int(stride or 32)
+        self.stride = artifact_stride(self.meta.get("stride"), self.engine_path, str(metadata_path(self.engine_path)))
         self._stream = self._new_stream()
 
     # Hooks: the only CUDA-specific steps, kept small so the runner can be exercised on CPU in tests.
@@ -594,12 +588,8 @@ class TRTBackend:
         res = {k: (v[:n].float() if v.is_floating_point() else v[:n]) for k, v in out.items()}
         if self.end2end:
             return res
-        preds = [res[o.name] for o in self.outputs]
-        if self.task == "segment":
-            pred = next((p for p in preds if p.ndim == 3), preds[0])
-            protos = next((p for p in preds if p.ndim == 4), preds[-1])
-            return pred, protos
-        return next((p for p in preds if p.ndim == 3), preds[0])
+        preds = exported_outputs([res[o.name] for o in self.outputs], self.task)
+        return preds if len(preds) > 1 else preds[0]
 
     @staticmethod
     def _concat(parts: list[Output]) -> Output:
