@@ -42,11 +42,14 @@ def _common(p: argparse.ArgumentParser, project: str) -> None:
 
 
 def _calibration(p: argparse.ArgumentParser) -> None:
-    from models.quantize_config import CALIB_METHODS, DEFAULT_CALIB_METHOD, DEFAULT_PERCENTILE
+    from models.quantize_config import CALIB_METHODS, DEFAULT_CALIB_METHOD, DEFAULT_PERCENTILE, HEAD_AMAX
     p.add_argument("--calib-method", choices=CALIB_METHODS, default=DEFAULT_CALIB_METHOD,
                    help="activation calibration (weights are always per-channel max)")
     p.add_argument("--percentile", type=float, default=DEFAULT_PERCENTILE, help="for --calib-method percentile")
     p.add_argument("--calib-batches", type=int, default=25, help="training-set batches used for calibration")
+    p.add_argument("--head-amax", choices=HEAD_AMAX, default=HEAD_AMAX[0],
+                   help="the detect head's input scales: as calibrated, or searched after calibration for the "
+                        "lowest error of the head's outputs against the FP head (a few seconds on a GPU)")
     p.add_argument("--hyp", default=None, help="hyperparameter yaml for QAT-time augmentation")
     p.add_argument("--seed", type=int, default=57)
 
@@ -134,7 +137,7 @@ def quant_config(args) -> QuantConfig:
     """The calibration settings of a ``quantize`` or ``sensitive`` command line."""
     from models.quantize_config import QuantConfig
     return QuantConfig(method=args.calib_method, percentile=args.percentile,
-                       skip=tuple(getattr(args, "skip_layers", "").split(",")))
+                       skip=tuple(getattr(args, "skip_layers", "").split(",")), head_amax=args.head_amax)
 
 
 def _score(args, data: dict, device) -> Evaluation:

@@ -35,7 +35,7 @@ import torch  # noqa: E402
 
 from models.qat_objectives import head_distillation, head_of  # noqa: E402
 from models.quantize import fuse  # noqa: E402
-from models.quantize_config import QuantConfig  # noqa: E402
+from models.quantize_config import HEAD_AMAX, QuantConfig  # noqa: E402
 from models.quantize_finetune import QATConfig  # noqa: E402
 from utils.qat import checkpoint  # noqa: E402
 from utils.qat.atomic import write_text  # noqa: E402
@@ -68,6 +68,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="")
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--calib-method", default="mse")
+    p.add_argument("--head-amax", choices=HEAD_AMAX, default=HEAD_AMAX[0], help="the head's input scales (qat.py's flag)")
     p.add_argument("--calib-batches", type=int, default=25)
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--iters", type=int, default=100)
@@ -101,7 +102,8 @@ def heldout_loss(student, teacher, loader, device) -> float:
 def render(results: dict) -> str:
     origin, ptq = results.get("origin"), results.get("ptq")
     lines = [f"# QAT recipes: {results['weights']}", "",
-             f"Origin {origin:.4f}, PTQ ({results['calib_method']}) {ptq:.4f} (held-out loss "
+             f"Origin {origin:.4f}, PTQ ({results['calib_method']}, head amax {results.get('head_amax', 'calibrated')}) "
+             f"{ptq:.4f} (held-out loss "
              f"{results.get(HELDOUT, float('nan')):.4g}); augmentation during fine-tuning: "
              f"{results.get('hyp') or 'none'}; {results['machine']}", "",
              "| recipe | best AP | vs PTQ | vs Origin | best epoch | AP per epoch | loss first -> last | "
@@ -128,12 +130,12 @@ def main(args) -> dict:
     fp = checkpoint.load_fp(args.weights)
     stride = int(fp.stride.max())
     common = dict(imgsz=args.imgsz, batch_size=args.batch_size, workers=args.workers)
-    results: dict = {"weights": Path(args.weights).name, "calib_method": args.calib_method, "hyp": args.hyp, "recipes": [],
+    results: dict = {"weights": Path(args.weights).name, "calib_method": args.calib_method, "head_amax": args.head_amax, "hyp": args.hyp, "recipes": [],
                      "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"}
     save = lambda: (write_text(out / "results.json", json.dumps(results, indent=2)),  # noqa: E731
                     write_text(out / "results.md", render(results)))
     results["origin"] = evaluate(TorchBackend(fuse(copy.deepcopy(fp)), device), data, desc="Origin", **common).mAP50_95
-    qmodel, info = ptq(fp, data, QuantConfig(method=args.calib_method), calib_batches=args.calib_batches, device=device,
+    qmodel, info = ptq(fp, data, QuantConfig(method=args.calib_method, head_amax=args.head_amax), calib_batches=args.calib_batches, device=device,
                        **common)
     results["ptq"] = evaluate(TorchBackend(qmodel, device), data, desc="PTQ", **common).mAP50_95
     teacher = fuse(copy.deepcopy(fp)).to(device)

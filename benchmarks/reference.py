@@ -30,7 +30,7 @@ compat.apply()
 import torch  # noqa: E402
 
 import qat  # noqa: E402
-from models.quantize_config import CALIB_METHODS, DEFAULT_CALIB_METHOD, QuantConfig  # noqa: E402
+from models.quantize_config import CALIB_METHODS, DEFAULT_CALIB_METHOD, HEAD_AMAX, QuantConfig  # noqa: E402
 from utils.qat import __version__, checkpoint, reports  # noqa: E402
 from utils.qat.atomic import write_text  # noqa: E402
 from utils.qat.backends import ORTBackend, TorchBackend  # noqa: E402
@@ -53,6 +53,9 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", default=",".join(CALIB_METHODS), help="calibration methods for the PTQ table")
     p.add_argument("--calib-method", default=DEFAULT_CALIB_METHOD, help="method used for QAT")
     p.add_argument("--calib-batches", type=int, default=25)
+    p.add_argument("--head-amax", choices=HEAD_AMAX, default=HEAD_AMAX[0],
+                   help="search: PTQ rows with the head's input scales searched beside the calibrated ones, and "
+                        "QAT started from the searched model")
     p.add_argument("--qat-args", default="", help="more qat.py quantize flags for the QAT stages, e.g. '--lr 1e-5 "
                    "--qat-loss mse' (default: qat.py's own defaults)")
     p.add_argument("--num-image", type=int, default=None, help="images for the sensitivity analysis")
@@ -172,7 +175,8 @@ def render(results: dict, title: str) -> str:
 def qat_cli(args, *extra: str):
     argv = ["quantize", "--weights", args.weights, "--data", args.data, "--imgsz", str(args.imgsz),
             "--batch-size", str(args.batch_size), "--workers", str(args.workers), "--calib-method", args.calib_method,
-            "--calib-batches", str(args.calib_batches), "--project", str(Path(args.out) / "runs"), "--exist-ok",
+            "--calib-batches", str(args.calib_batches), "--head-amax", args.head_amax,
+            "--project", str(Path(args.out) / "runs"), "--exist-ok",
             "--no-eval-origin", *shlex.split(args.qat_args)]
     if args.device:
         argv += ["--device", args.device]
@@ -196,12 +200,14 @@ def main(args) -> None:
             bench.row("Origin", evaluate(TorchBackend(fuse(copy.deepcopy(fp)), device), data, desc="Origin", **common))
 
     if "ptq" in stages:
-        for method in args.methods.split(","):
-            with bench.timed(f"calibrate {method}"):
-                qmodel, _ = ptq(fp, data, QuantConfig(method=method), calib_batches=args.calib_batches, device=device,
-                                **common)
-            with bench.timed(f"eval PTQ {method}"):
-                bench.row(f"PTQ {method}", evaluate(TorchBackend(qmodel, device), data, desc=f"PTQ {method}", **common))
+        heads = ["calibrated"] + (["search"] if args.head_amax == "search" else [])
+        for method, head in ((m, h) for m in args.methods.split(",") for h in heads):
+            label = f"PTQ {method}" + (", head amax searched" if head == "search" else "")
+            with bench.timed(f"calibrate {method}" + (" + head amax search" if head == "search" else "")):
+                qmodel, _ = ptq(fp, data, QuantConfig(method=method, head_amax=head), calib_batches=args.calib_batches,
+                                device=device, **common)
+            with bench.timed(f"eval {label}"):
+                bench.row(label, evaluate(TorchBackend(qmodel, device), data, desc=label, **common))
             del qmodel
             torch.cuda.empty_cache() if torch.cuda.is_available() else None
 

@@ -57,16 +57,20 @@ def _calibrate(model: nn.Module, batches: Iterable[torch.Tensor], config: QuantC
     modelopt 0.47's own histogram path calls ``compute_amax()`` without the method and computes each
     histogram amax twice; calibration is driven here instead: one pass, one ``compute_amax`` per quantizer.
     """
+    from models.quantize_head import SEARCH_BATCHES
     quantizers = enabled_quantizers(model)
     training = model.training
     model.eval()
     seen = 0
+    kept: list[torch.Tensor] = []  # the first batches again, for the head amax search
     try:
         with collecting(quantizers):
             for images in progress(batches, total=num_batches, desc=f"calibrating ({config.method})"):
                 model(images)
                 if example is None:
                     example = images[:1]
+                if config.head_amax == "search" and len(kept) < SEARCH_BATCHES:
+                    kept.append(images)
                 seen += 1
                 if num_batches is not None and seen >= num_batches:
                     break
@@ -81,7 +85,23 @@ def _calibrate(model: nn.Module, batches: Iterable[torch.Tensor], config: QuantC
         model.train(training)
     groups = rules.scale_groups(model, example)
     rules.tie_scales(model, groups)
+    if config.head_amax == "search":
+        _search_head(model, kept, groups)
     return groups
+
+
+def _search_head(model: nn.Module, batches: list[torch.Tensor], groups: list[list[str]]) -> None:
+    from models.quantize_head import search_head_amax
+    result = search_head_amax(model, batches, groups)
+    factors = result["factors"]
+    if not factors:
+        print("head amax search: the head has no activation scale of its own to search (kept in FP?)", flush=True)
+        return
+    moved = sorted(f for f in factors.values() if f != 1.0)
+    print(f"head amax search: {len(moved)} of {len(factors)} head input scales changed"
+          + (f" (x{moved[0]:g} to x{moved[-1]:g})" if moved else "")
+          + f"; head distillation loss {result['loss_before']:.4g} -> {result['loss_after']:.4g} "
+          f"on {len(batches)} calibration batches", flush=True)
 
 
 def histogram_amax(calibrator: HistogramCalibrator, method: str, percentile: float) -> torch.Tensor:

@@ -16,20 +16,25 @@ from utils.qat.errors import QATError
 CALIB_METHODS = ("max", "percentile", "mse", "entropy")
 DEFAULT_CALIB_METHOD = "mse"
 DEFAULT_PERCENTILE = 99.99
+HEAD_AMAX = ("calibrated", "search")  # the detect head's input scales: as calibrated, or searched (quantize_head.py)
 
 
 @dataclass(frozen=True)
 class QuantConfig:
     """The settings of a quantization: the activation calibration method (weights are always per-channel
     max), the percentile (``method="percentile"``) and the layers kept in FP (``--skip-layers`` items: layer
-    indices of ``model.model`` or module-name patterns)."""
+    indices of ``model.model`` or module-name patterns), and how the detect head's input scales are chosen
+    (``head_amax``: ``calibrated`` like every other, or ``search``ed by the head's output error)."""
     method: str = DEFAULT_CALIB_METHOD
     percentile: float = DEFAULT_PERCENTILE
     skip: tuple[str, ...] = ()
+    head_amax: str = HEAD_AMAX[0]
 
     def __post_init__(self) -> None:
         if self.method not in CALIB_METHODS:
             raise QATError(f"unknown calibration method '{self.method}'; choose one of {', '.join(CALIB_METHODS)}.")
+        if self.head_amax not in HEAD_AMAX:
+            raise QATError(f"unknown --head-amax '{self.head_amax}'; choose one of {', '.join(HEAD_AMAX)}.")
         object.__setattr__(self, "skip", tuple(str(s).strip() for s in self.skip if str(s).strip()))
 
 
@@ -44,12 +49,13 @@ class QuantInfo:
     def to_dict(self) -> dict:
         """The checkpoint's ``quant`` entry (flat, as checkpoints have always stored it)."""
         return {"calib_method": self.config.method, "percentile": self.config.percentile,
-                "skip": list(self.config.skip), "fp_patterns": list(self.fp_patterns),
+                "skip": list(self.config.skip), "head_amax": self.config.head_amax, "fp_patterns": list(self.fp_patterns),
                 "scale_groups": [list(g) for g in self.scale_groups]}
 
     @classmethod
     def from_dict(cls, d: dict) -> QuantInfo:
         config = QuantConfig(method=d.get("calib_method", DEFAULT_CALIB_METHOD),
-                             percentile=d.get("percentile", DEFAULT_PERCENTILE), skip=tuple(d.get("skip", ())))
+                             percentile=d.get("percentile", DEFAULT_PERCENTILE), skip=tuple(d.get("skip", ())),
+                             head_amax=d.get("head_amax", HEAD_AMAX[0]))
         return cls(config, fp_patterns=list(d.get("fp_patterns", ())),
                    scale_groups=[list(g) for g in d.get("scale_groups", ())])

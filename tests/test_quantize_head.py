@@ -1,0 +1,80 @@
+"""``--head-amax search`` (models/quantize_head.py): the detect head's input scales chosen by the head's
+output error after calibration, on the embedded GELAN-QS model (CPU, small images)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import real_images
+
+REPO = Path(__file__).resolve().parents[1]
+QS = REPO / "weights" / "gelan-qs-shapes.pt"
+IMGSZ = 64
+
+
+@pytest.fixture(scope="module")
+def images(shared):
+    return real_images(shared / "datasets" / "coco369" / "images" / "train2017", 2, IMGSZ)
+
+
+@pytest.fixture(scope="module")
+def calibrated(yolov9_tree, images):
+    from models.quantize import QuantConfig, quantize
+    from utils.qat import checkpoint
+    return quantize(checkpoint.load_fp(QS), [images], QuantConfig(method="max"))
+
+
+def _amax(model) -> dict[str, torch.Tensor]:
+    from models.quantize_state import amax_state
+    return amax_state(model)
+
+
+@pytest.mark.slow
+def test_search_lowers_the_head_loss_and_touches_only_head_scales(calibrated, images):
+    import copy
+
+    from models.quantize_head import FACTORS, search_head_amax, searchable
+    qmodel, info = calibrated
+    qmodel = copy.deepcopy(qmodel)
+    head = f"model.{len(qmodel.model) - 1}."
+    units = searchable(qmodel, info.scale_groups)
+    assert units and all(n.startswith(head) and n.endswith("input_quantizer") for u in units for n in u)
+    before = _amax(qmodel)
+    # a deliberately poor scale: the head's first input quantizer at 1.5x its calibrated amax (coarse steps)
+    first = dict(qmodel.named_modules())[units[0][0]]
+    first.amax = first.amax * 1.5
+    result = search_head_amax(qmodel, [images], info.scale_groups)
+    after = _amax(qmodel)
+    assert result["loss_after"] < result["loss_before"]
+    assert set(result["factors"]) == {u[0] for u in units} and set(result["factors"].values()) <= set(FACTORS)
+    searched = {n for u in units for n in u}
+    for name, amax in before.items():
+        if name not in searched:
+            assert torch.equal(after[name], amax), name  # body scales and every weight scale untouched
+        else:
+            unit = next(u for u in units if name in u)
+            start = amax * (1.5 if unit is units[0] else 1.0)
+            torch.testing.assert_close(after[name], start * result["factors"][unit[0]])
+    for group in info.scale_groups:  # a shared scale stays shared
+        assert len({float(after[n]) for n in group if n in after}) <= 1, group
+
+
+def test_head_in_fp_has_nothing_to_search(yolov9_tree, images, capsys):
+    from models.quantize import QuantConfig, quantize
+    from utils.qat import checkpoint
+    fp = checkpoint.load_fp(QS)
+    qmodel, info = quantize(fp, [images], QuantConfig(method="max", skip=(str(len(fp.model) - 1),), head_amax="search"))
+    assert "the head has no activation scale of its own to search" in capsys.readouterr().out
+    assert info.to_dict()["head_amax"] == "search"
+
+
+def test_config_checks_and_records_the_choice():
+    from models.quantize_config import QuantConfig, QuantInfo
+    from utils.qat.errors import QATError
+    with pytest.raises(QATError, match="--head-amax"):
+        QuantConfig(head_amax="learned")
+    info = QuantInfo(QuantConfig(head_amax="search"))
+    assert QuantInfo.from_dict(info.to_dict()).config.head_amax == "search"
+    assert QuantInfo.from_dict({"calib_method": "max"}).config.head_amax == "calibrated"  # older checkpoints
