@@ -15,9 +15,10 @@ calibrated value times ``lr``: amax values range from below 1 to about 100, and 
 about its learning rate per step, so the steps are relative. The gradient is LSQ's
 (``models/quantize_qdq.py``).
 
-While learning, a quantizer's ``_amax`` is an ``nn.Parameter`` (so DistributedDataParallel averages its
+While learning, a quantizer's amax is an ``nn.Parameter`` (so DistributedDataParallel averages its
 gradient over the ranks and the quantizers stay identical); checkpoints and ONNX export see the buffer
-modelopt expects, because ``as_buffers`` / ``release`` put one back with the learned value.
+modelopt expects, because ``as_buffers`` / ``release`` put one back with the learned value (the slot itself
+is handled by ``models/quantize_qdq.py``).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import contextlib
 import torch
 import torch.nn as nn
 
+from models.quantize_qdq import amax_to_buffer, amax_to_parameter
 from models.quantize_rules import input_quantizers
 
 MIN_AMAX = 1e-4
@@ -34,13 +36,13 @@ MIN_AMAX = 1e-4
 class LearnedAmax:
     def __init__(self, model: nn.Module, groups: list[list[str]]):
         quantizers = {n: q for n, q in input_quantizers(model).items()
-                      if getattr(q, "_amax", None) is not None and q._amax.numel() == 1}
+                      if q.amax is not None and q.amax.numel() == 1}
         grouped = {n for g in groups for n in g}
         members = [[n for n in g if n in quantizers] for g in groups] + [[n] for n in quantizers if n not in grouped]
         self.groups: list[tuple[nn.Parameter, list[nn.Module]]] = []
         for names in filter(None, members):
-            first = quantizers[names[0]]._amax
-            start = torch.stack([quantizers[n]._amax.detach().float().reshape(()) for n in names]).max()
+            first = quantizers[names[0]].amax
+            start = torch.stack([quantizers[n].amax.detach().float().reshape(()) for n in names]).max()
             param = nn.Parameter(start.reshape(first.shape).to(first.dtype).clone())
             self.groups.append((param, [quantizers[n] for n in names]))
         self.start = [float(p.detach()) for p, _ in self.groups]
@@ -56,23 +58,21 @@ class LearnedAmax:
         return [{"params": [p], "lr": lr * s, "weight_decay": 0.0} for p, s in zip(self.parameters, self.start)]
 
     def attach(self) -> None:
-        """Register the learned parameters as the quantizers' ``_amax`` (replacing the buffers)."""
+        """Register the learned parameters as the quantizers' amax (replacing the buffers)."""
         if self.attached:
             return
         for param, quantizers in self.groups:
             for q in quantizers:
-                del q._buffers["_amax"]
-                q._parameters["_amax"] = param
+                amax_to_parameter(q, param)
         self.attached = True
 
     def detach(self) -> None:
         """Put plain buffers back, holding the learned values."""
         if not self.attached:
             return
-        for param, quantizers in self.groups:
+        for _, quantizers in self.groups:
             for q in quantizers:
-                del q._parameters["_amax"]
-                q._buffers["_amax"] = param.detach().clone()
+                amax_to_buffer(q)
         self.attached = False
 
     @torch.no_grad()

@@ -18,9 +18,11 @@ with the straight-through gradient inside [-amax, amax] and zero outside (modelo
 exporting to ONNX the quantizer hands over to modelopt's own function, whose symbolic writes the
 QuantizeLinear / DequantizeLinear pair with exactly that scale.
 
-While QAT learns amax (``models/quantize_amax.py`` turns a quantizer's ``_amax`` buffer into a
-parameter), amax also gets a gradient, LSQ's (Esser et al., 2020): ``(q - x / scale) / 127`` inside the
-range, ``q / 127`` where the input is clipped.
+While QAT learns amax (``models/quantize_amax.py``), amax also gets a gradient, LSQ's (Esser et al.,
+2020): ``(q - x / scale) / 127`` inside the range, ``q / 127`` where the input is clipped. Where the amax
+lives is a TensorQuantizer internal (its ``_amax`` slot: a buffer, or a parameter while learned): this
+module is the one place that touches it (``learned_amax``, ``amax_to_parameter``, ``amax_to_buffer``), as
+``models/quantize_calib.py`` is for the calibrators' internals.
 """
 from __future__ import annotations
 
@@ -64,16 +66,35 @@ class _QDQ(torch.autograd.Function):
         return grad_x, grad_amax, None, None
 
 
+def learned_amax(quantizer) -> nn.Parameter | None:
+    """The quantizer's amax parameter while QAT learns it, else None."""
+    return quantizer._parameters.get("_amax")
+
+
+def amax_to_parameter(quantizer, param: nn.Parameter) -> None:
+    """Make ``param`` the quantizer's amax (replacing its buffer): what the forward pass reads and differentiates."""
+    del quantizer._buffers["_amax"]
+    quantizer._parameters["_amax"] = param
+
+
+def amax_to_buffer(quantizer) -> None:
+    """Put a plain buffer back in the amax slot, holding the parameter's current value."""
+    param = quantizer._parameters.pop("_amax")
+    quantizer._buffers["_amax"] = param.detach().clone()
+
+
 def fake_quant(inputs: torch.Tensor, quantizer) -> torch.Tensor:
     """modelopt backend entry point: ``inputs`` fake-quantized by ``quantizer`` (its amax, bits, sign)."""
-    learned = quantizer._parameters.get("_amax")
-    amax = learned if learned is not None and torch.is_grad_enabled() else quantizer._get_amax(inputs)
-    num_bits, unsigned, narrow = quantizer._num_bits, quantizer._unsigned, quantizer._narrow_range
+    learned = learned_amax(quantizer)
+    amax = learned if learned is not None and torch.is_grad_enabled() else quantizer.amax.detach()
+    amax = amax.to(inputs.device)
+    num_bits, unsigned, narrow = quantizer.num_bits, quantizer.unsigned, quantizer.narrow_range
     if torch.onnx.is_in_onnx_export() or not isinstance(num_bits, int):
         from modelopt.torch.quantization.tensor_quant import fake_tensor_quant
         axis = quantizer.axis[0] if isinstance(quantizer.axis, tuple) else quantizer.axis
+        # pass_through_bwd=True: no backward pass runs during export
         return fake_tensor_quant(inputs, amax, None, num_bits, unsigned, narrow,
-                                 quantizer._trt_high_precision_dtype, quantizer._pass_through_bwd, None, axis)
+                                 quantizer.trt_high_precision_dtype, True, None, axis)
     qmax = 2 ** (num_bits - 1 + int(unsigned)) - 1
     qmin = 0 if unsigned else (-qmax if narrow else -qmax - 1)
     return _QDQ.apply(inputs, amax, qmin, qmax)
