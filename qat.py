@@ -22,8 +22,8 @@ from utils.qat.device import select_device  # noqa: E402
 from utils.qat.errors import QATError, run_cli  # noqa: E402
 
 if TYPE_CHECKING:
-    from models.quantize_config import QuantConfig
-    from models.quantize_finetune import QATConfig
+    from utils.qat.quantize.config import QuantConfig
+    from utils.qat.quantize.finetune import QATConfig
     from utils.qat.pipeline import Evaluation
 
 
@@ -42,7 +42,7 @@ def _common(p: argparse.ArgumentParser, project: str) -> None:
 
 
 def _calibration(p: argparse.ArgumentParser) -> None:
-    from models.quantize_config import CALIB_METHODS, DEFAULT_CALIB_METHOD, DEFAULT_PERCENTILE, HEAD_AMAX
+    from utils.qat.quantize.config import CALIB_METHODS, DEFAULT_CALIB_METHOD, DEFAULT_PERCENTILE, HEAD_AMAX
     p.add_argument("--calib-method", choices=CALIB_METHODS, default=DEFAULT_CALIB_METHOD,
                    help="activation calibration (weights are always per-channel max)")
     p.add_argument("--percentile", type=float, default=DEFAULT_PERCENTILE, help="for --calib-method percentile")
@@ -55,8 +55,8 @@ def _calibration(p: argparse.ArgumentParser) -> None:
 
 
 def _finetuning(p: argparse.ArgumentParser) -> None:
-    from models.qat_objectives import OBJECTIVES
-    from models.quantize_finetune import OPTIMIZERS, QATConfig
+    from utils.qat.quantize.objectives import OBJECTIVES
+    from utils.qat.quantize.finetune import OPTIMIZERS, QATConfig
     d = QATConfig()
     p.add_argument("--epochs", type=int, default=d.epochs, help="QAT epochs")
     p.add_argument("--iters", type=int, default=d.iters,
@@ -87,7 +87,7 @@ def _finetuning(p: argparse.ArgumentParser) -> None:
 
 def qat_config(args) -> QATConfig:
     """The fine-tuning settings of a ``quantize`` command line."""
-    from models.quantize_finetune import QATConfig
+    from utils.qat.quantize.finetune import QATConfig
     return QATConfig(epochs=args.epochs, iters=args.iters, lr=args.lr, objective=args.qat_loss,
                      optimizer=args.optimizer, weight_decay=args.weight_decay, warmup=args.warmup,
                      ema=args.ema, supervision_stride=args.supervision_stride, amax_lr=args.amax_lr,
@@ -135,7 +135,7 @@ def get_args_parser(task: str = "detect", prog: str = "qat.py", description: str
 
 def quant_config(args) -> QuantConfig:
     """The calibration settings of a ``quantize`` or ``sensitive`` command line."""
-    from models.quantize_config import QuantConfig
+    from utils.qat.quantize.config import QuantConfig
     return QuantConfig(method=args.calib_method, percentile=args.percentile,
                        skip=tuple(getattr(args, "skip_layers", "").split(",")), head_amax=args.head_amax)
 

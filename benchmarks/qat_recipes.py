@@ -33,10 +33,10 @@ compat.apply()
 
 import torch  # noqa: E402
 
-from models.qat_objectives import head_distillation, head_of  # noqa: E402
-from models.quantize import fuse  # noqa: E402
-from models.quantize_config import HEAD_AMAX, QuantConfig  # noqa: E402
-from models.quantize_finetune import QATConfig  # noqa: E402
+from utils.qat.quantize.objectives import head_distillation, head_of  # noqa: E402
+from utils.qat.quantize.model_quant import fuse  # noqa: E402
+from utils.qat.quantize.config import HEAD_AMAX, QuantConfig  # noqa: E402
+from utils.qat.quantize.finetune import QATConfig  # noqa: E402
 from utils.qat import checkpoint  # noqa: E402
 from utils.qat.atomic import write_text  # noqa: E402
 from utils.qat.backends import TorchBackend  # noqa: E402

@@ -27,7 +27,7 @@ compat.apply()
 
 import torch  # noqa: E402
 
-from models.quantize_config import DEFAULT_CALIB_METHOD, QuantConfig  # noqa: E402
+from utils.qat.quantize.config import DEFAULT_CALIB_METHOD, QuantConfig  # noqa: E402
 from utils.qat import checkpoint  # noqa: E402
 from utils.qat.atomic import write_text  # noqa: E402
 from utils.qat.backends import TorchBackend  # noqa: E402
@@ -56,7 +56,7 @@ def get_args_parser() -> argparse.ArgumentParser:
 def quantizer_groups(layer: torch.nn.Module, prefix: str, per_level: bool) -> dict[str, list]:
     """The layer's enabled quantizers by group name: ``all inputs``, ``all weights``, then one group per
     (branch position, input/weight) with the level index folded to ``*`` unless ``per_level``."""
-    from models.quantize_state import enabled_quantizers
+    from utils.qat.quantize.state import enabled_quantizers
     named = {f"{prefix}.{n}" if n else prefix: q for n, q in layer.named_modules() if q in enabled_quantizers(layer)}
     groups: dict[str, list] = {
         "all inputs": [q for n, q in named.items() if not n.endswith("weight_quantizer")],
@@ -83,8 +83,8 @@ def render(results: dict) -> str:
 
 
 def main(args) -> dict:
-    from models.quantize import fuse
-    from models.quantize_state import quantizers_off
+    from utils.qat.quantize.model_quant import fuse
+    from utils.qat.quantize.state import quantizers_off
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device = select_device(args.device)

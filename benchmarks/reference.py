@@ -30,7 +30,7 @@ compat.apply()
 import torch  # noqa: E402
 
 import qat  # noqa: E402
-from models.quantize_config import CALIB_METHODS, DEFAULT_CALIB_METHOD, HEAD_AMAX, QuantConfig  # noqa: E402
+from utils.qat.quantize.config import CALIB_METHODS, DEFAULT_CALIB_METHOD, HEAD_AMAX, QuantConfig  # noqa: E402
 from utils.qat import __version__, checkpoint, reports  # noqa: E402
 from utils.qat.atomic import write_text  # noqa: E402
 from utils.qat.backends import ORTBackend, TorchBackend  # noqa: E402
@@ -196,7 +196,7 @@ def main(args) -> None:
     fp = checkpoint.load_fp(args.weights) if stages & {"fp", "ptq", "sensitive"} else None
     if "fp" in stages:
         with bench.timed("eval FP"):
-            from models.quantize import fuse
+            from utils.qat.quantize.model_quant import fuse
             bench.row("Origin", evaluate(TorchBackend(fuse(copy.deepcopy(fp)), device), data, desc="Origin", **common))
 
     if "ptq" in stages:

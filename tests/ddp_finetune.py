@@ -24,8 +24,8 @@ def _amax(model) -> dict[str, torch.Tensor]:
 def results(rank: int = 0, world: int = 1) -> dict:
     """amax after calibrating (max and mse) on the global batches, then the state dict before and after two
     epochs of fine-tuning the max-calibrated model on this rank's share of every global batch, and the losses."""
-    from models.quantize import QuantConfig, fuse, quantize
-    from models.quantize_finetune import QATConfig, finetune
+    from utils.qat.quantize.model_quant import QuantConfig, fuse, quantize
+    from utils.qat.quantize.finetune import QATConfig, finetune
     from utils.qat import checkpoint
     images = torch.rand(STEPS, GLOBAL_BATCH, 3, IMGSZ, IMGSZ, generator=torch.Generator().manual_seed(0))
     shards = [b[rank::world] for b in images]

@@ -19,8 +19,8 @@ def _module(name: str):
 def test_quantizer_sensitivity_groups_fold_levels_and_cover_the_layer(yolov9_tree):
     """benchmarks/quantizer_sensitivity.py: one group per branch position (levels folded), inputs apart
     from weights, and the "all" groups hold exactly the layer's quantizers."""
-    from models.quantize import QuantConfig, prepare
-    from models.quantize_state import enabled_quantizers
+    from utils.qat.quantize.model_quant import QuantConfig, prepare
+    from utils.qat.quantize.state import enabled_quantizers
     from utils.qat import checkpoint
     bench = _module("quantizer_sensitivity")
     qmodel, _ = prepare(checkpoint.load_fp(QS), QuantConfig(method="max"))

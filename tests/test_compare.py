@@ -42,7 +42,7 @@ def graphs(yolov9_tree, tmp_path_factory):
     FP16+INT8 (--half, AutoCast), dynamic, 256 px; plus a broken copy of the FP32 graph (input halved)."""
     import torch
 
-    from models.quantize import QuantConfig, quantize
+    from utils.qat.quantize.model_quant import QuantConfig, quantize
     from utils.qat import checkpoint
     from utils.qat.onnx_export import export_onnx
     out = tmp_path_factory.mktemp("compare")

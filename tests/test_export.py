@@ -52,7 +52,7 @@ def fp_model(yolov9_tree, gelan_c):
 @pytest.fixture(scope="module")
 def qat_ckpt(yolov9_tree, work, gelan_c, shared):
     """A quantized checkpoint of GELAN-C (PTQ 'max' on 4 real images at 160 px), written once."""
-    from models.quantize import QuantConfig, quantize
+    from utils.qat.quantize.model_quant import QuantConfig, quantize
     from utils.qat import checkpoint
     fp = checkpoint.load_fp(gelan_c)
     calib = real_images(shared / "datasets" / "coco369" / "images" / "train2017", 4, IMGSZ)

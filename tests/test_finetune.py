@@ -1,5 +1,5 @@
-"""QAT fine-tuning (models/quantize_finetune.py), its objectives (models/qat_objectives.py) and the
-QuantizeLinear-exact fake quantization (models/quantize_qdq.py), on the embedded GELAN-QS model (CPU)."""
+"""QAT fine-tuning (utils/qat/quantize/finetune.py), its objectives (utils/qat/quantize/objectives.py) and the
+QuantizeLinear-exact fake quantization (utils/qat/quantize/qdq.py), on the embedded GELAN-QS model (CPU)."""
 from __future__ import annotations
 
 import copy
@@ -29,7 +29,7 @@ def qs(yolov9_tree):
 
 @pytest.fixture(scope="module")
 def qs_calibrated(qs, images):
-    from models.quantize import QuantConfig, quantize
+    from utils.qat.quantize.model_quant import QuantConfig, quantize
     qmodel, info = quantize(qs, [images[:2], images[2:]], QuantConfig(method="max"))
     qmodel.names = qs.names
     return qmodel, info
@@ -49,7 +49,7 @@ def test_qdq_rounding_is_quantize_linear_bit_for_bit(yolov9_tree):
     from modelopt.torch.quantization.config import QuantizerAttributeConfig
     from modelopt.torch.quantization.nn import TensorQuantizer
 
-    from models.quantize_qdq import BACKEND, qdq_scale, register
+    from utils.qat.quantize.qdq import BACKEND, qdq_scale, register
 
     register()
 
@@ -77,7 +77,7 @@ def test_qdq_rounding_is_quantize_linear_bit_for_bit(yolov9_tree):
 
 
 def test_qdq_rounding_gradient_is_clipped_straight_through(yolov9_tree):
-    from models.quantize_qdq import _QDQ
+    from utils.qat.quantize.qdq import _QDQ
     x = torch.tensor([-5.0, -1.0, 0.3, 2.0, 5.0], requires_grad=True)
     _QDQ.apply(x, torch.tensor(4.0), -128, 127).sum().backward()
     assert x.grad.tolist() == [0.0, 1.0, 1.0, 1.0, 0.0]
@@ -87,7 +87,7 @@ def test_quantized_models_use_qdq_rounding(qs_calibrated, tmp_path):
     """Made by prepare() and restored from a checkpoint alike: every quantizer rounds as QuantizeLinear."""
     from modelopt.torch.quantization.nn import TensorQuantizer
 
-    from models.quantize_qdq import BACKEND
+    from utils.qat.quantize.qdq import BACKEND
     from utils.qat import checkpoint
     qmodel, info = qs_calibrated
     path = checkpoint.save_quantized(tmp_path / "q.pt", qmodel, info)
@@ -100,8 +100,8 @@ def test_quantized_models_use_qdq_rounding(qs_calibrated, tmp_path):
 def test_head_distillation_zero_at_teacher_and_background_light(qs):
     """The head objective is 0 when student = teacher, and a change of the box logits of anchors where the
     teacher sees no object weighs far less than the same change where it sees one."""
-    from models.qat_objectives import head_distillation
-    from models.quantize import fuse
+    from utils.qat.quantize.objectives import head_distillation
+    from utils.qat.quantize.model_quant import fuse
     model = fuse(copy.deepcopy(qs)).train()
     head = model.model[-1]
     image = torch.full((1, 3, 128, 128), 0.2)
@@ -125,9 +125,9 @@ def test_head_distillation_zero_at_teacher_and_background_light(qs):
 
 @pytest.mark.slow
 def test_every_objective_trains_and_reports_its_terms(qs, qs_calibrated, images):
-    from models.qat_objectives import OBJECTIVES
-    from models.quantize import fuse
-    from models.quantize_finetune import QATConfig, finetune
+    from utils.qat.quantize.objectives import OBJECTIVES
+    from utils.qat.quantize.model_quant import fuse
+    from utils.qat.quantize.finetune import QATConfig, finetune
     from utils.qat.errors import QATError
     qmodel, _ = qs_calibrated
     teacher = fuse(copy.deepcopy(qs))
@@ -145,8 +145,8 @@ def test_every_objective_trains_and_reports_its_terms(qs, qs_calibrated, images)
 
 @pytest.mark.slow
 def test_iters_are_steps_and_a_short_set_is_read_again(qs, qs_calibrated, images, capsys):
-    from models.quantize import fuse
-    from models.quantize_finetune import QATConfig, finetune
+    from utils.qat.quantize.model_quant import fuse
+    from utils.qat.quantize.finetune import QATConfig, finetune
     qmodel, _ = qs_calibrated
     reads = []
 
@@ -164,8 +164,8 @@ def test_iters_are_steps_and_a_short_set_is_read_again(qs, qs_calibrated, images
 def test_ema_is_the_model_evaluated_and_returned(qs, qs_calibrated, images):
     """With ``ema``, on_epoch_end sees the averaged weights, and fine-tuning returns the model holding them;
     the averaged weights lie between the start and the last trained weights."""
-    from models.quantize import fuse
-    from models.quantize_finetune import QATConfig, finetune
+    from utils.qat.quantize.model_quant import fuse
+    from utils.qat.quantize.finetune import QATConfig, finetune
     qmodel, _ = qs_calibrated
     student, plain = copy.deepcopy(qmodel), copy.deepcopy(qmodel)
     name = "model.0.conv.weight"
@@ -182,7 +182,7 @@ def test_ema_is_the_model_evaluated_and_returned(qs, qs_calibrated, images):
 
 
 def test_lr_schedule_warms_up_then_decays():
-    from models.quantize_finetune import lr_factor
+    from utils.qat.quantize.finetune import lr_factor
     f = [lr_factor(s, 100, 10, 0.01) for s in range(100)]
     assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0)
     assert all(a >= b for a, b in zip(f[9:], f[10:])) and f[-1] == pytest.approx(0.01, abs=1e-3)
@@ -191,7 +191,7 @@ def test_lr_schedule_warms_up_then_decays():
 def test_learned_amax_gradient_is_lsq(yolov9_tree):
     """With a trainable amax the quantizer gives amax LSQ's gradient, (q - x/scale)/127 inside the range and
     q/127 where the input is clipped; the input's gradient stays the clipped straight-through one."""
-    from models.quantize_qdq import _QDQ, qdq_scale
+    from utils.qat.quantize.qdq import _QDQ, qdq_scale
     amax = torch.tensor(4.0, requires_grad=True)
     x = torch.tensor([-5.0, -1.0, 0.3, 2.0, 5.0], requires_grad=True)
     _QDQ.apply(x, amax, -128, 127).sum().backward()
@@ -213,9 +213,9 @@ def test_learned_amax_gradient_is_lsq(yolov9_tree):
 def test_learned_amax_moves_keeps_groups_shared_and_saves_as_buffers(qs, qs_calibrated, images, tmp_path):
     """--amax-lr: activation amax are trained; the quantizers of a shared-scale group end on one value; the
     model handed back (and every checkpoint) holds plain ``_amax`` buffers, and restores from a checkpoint."""
-    from models.quantize import fuse
-    from models.quantize_finetune import QATConfig, finetune
-    from models.quantize_rules import input_quantizers
+    from utils.qat.quantize.model_quant import fuse
+    from utils.qat.quantize.finetune import QATConfig, finetune
+    from utils.qat.quantize.rules import input_quantizers
     from utils.qat import checkpoint
     qmodel, info = qs_calibrated
     assert info.scale_groups, "the embedded model has concat groups"
@@ -248,7 +248,7 @@ def test_learned_amax_moves_keeps_groups_shared_and_saves_as_buffers(qs, qs_cali
 def test_fake_quant_models_are_evaluated_without_tf32(qs, qs_calibrated, images):
     """TorchBackend runs a fake-quantized model with TF32 off (as ONNX Runtime / TensorRT compute), an FP
     model as PyTorch is configured, and restores the flags after the call."""
-    from models.quantize import fuse
+    from utils.qat.quantize.model_quant import fuse
     from utils.qat.backends import TorchBackend
     qmodel, _ = qs_calibrated
     seen = []

@@ -34,7 +34,7 @@ def gelan_c_fp(yolov9_tree, gelan_c):
 
 @pytest.fixture(scope="module")
 def gelan_c_q(gelan_c_fp, calib_images):
-    from models.quantize import QuantConfig, quantize
+    from utils.qat.quantize.model_quant import QuantConfig, quantize
     qmodel, info = quantize(gelan_c_fp, [calib_images[:2], calib_images[2:]], QuantConfig(method="max"),
                             example=calib_images[:1])
     qmodel.names = gelan_c_fp.names
@@ -175,7 +175,7 @@ def test_checkpoint_kind_errors(yolov9_tree, gelan_c, gelan_c_q, tmp_path):
 def test_skip_layers_leave_no_qdq(gelan_c_fp, calib_images, tmp_path):
     import onnx
 
-    from models.quantize import QuantConfig, quantize
+    from utils.qat.quantize.model_quant import QuantConfig, quantize
     from utils.qat.onnx_export import export_onnx
     from utils.qat.onnx_qdq import lint
     qmodel, info = quantize(gelan_c_fp, [calib_images[:2]], QuantConfig(method="max", skip=("22", "model.15.cv4*")),
@@ -232,8 +232,8 @@ def test_onnx_scales_shared_and_ort_matches(gelan_c_q, val_images, tmp_path):
 
 
 def test_finetune_updates_every_trainable_parameter(gelan_c_fp, gelan_c_q, calib_images):
-    from models.quantize import fuse
-    from models.quantize_finetune import QATConfig, finetune
+    from utils.qat.quantize.model_quant import fuse
+    from utils.qat.quantize.finetune import QATConfig, finetune
     qmodel, _ = gelan_c_q
     student = copy.deepcopy(qmodel)
     teacher = fuse(copy.deepcopy(gelan_c_fp))
@@ -256,7 +256,7 @@ MINI = {"nc": 2, "depth_multiple": 1.0, "width_multiple": 1.0, "anchors": 3,
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["max", "percentile", "mse", "entropy"])
 def test_calibration_methods(yolov9_tree, shared, method):
-    from models.quantize import QuantConfig, quantize
+    from utils.qat.quantize.model_quant import QuantConfig, quantize
     model = build(MINI if method == "entropy" else TINY_GELAN)
     x = real_images(shared / "datasets" / "coco369" / "images" / "train2017", 2, 64)
     qmodel, info = quantize(model, [x], QuantConfig(method=method), example=x[:1])
@@ -268,7 +268,7 @@ def test_calibration_methods(yolov9_tree, shared, method):
 
 
 def test_unknown_method_and_double_quantize(yolov9_tree):
-    from models.quantize import QuantConfig, prepare
+    from utils.qat.quantize.model_quant import QuantConfig, prepare
     from utils.qat.errors import QATError
     model = build(TINY_GELAN)
     with pytest.raises(QATError, match="unknown calibration method"):
@@ -280,7 +280,7 @@ def test_unknown_method_and_double_quantize(yolov9_tree):
 
 
 def test_skip_layer_errors(yolov9_tree):
-    from models.quantize import QuantConfig, prepare
+    from utils.qat.quantize.model_quant import QuantConfig, prepare
     from utils.qat.errors import QATError
     model = build(TINY_GELAN)
     with pytest.raises(QATError, match="not a layer of this model"):
@@ -292,7 +292,7 @@ def test_skip_layer_errors(yolov9_tree):
 def test_config_is_plain_data_without_modelopt(yolov9_tree):
     """The settings module imports neither modelopt nor torch (qat.py's parser needs it before CUDA may
     start), and the checkpoint record round-trips through its flat dict."""
-    code = ("import sys; from models.quantize_config import QuantConfig, QuantInfo; "
+    code = ("import sys; from utils.qat.quantize.config import QuantConfig, QuantInfo; "
             "info = QuantInfo(QuantConfig('percentile', 99.9, (' 22', '', 'model.1*')), ['model.22.'], [['a', 'b']]); "
             "assert info.config.skip == ('22', 'model.1*'); assert QuantInfo.from_dict(info.to_dict()) == info; "
             "print(sorted(m for m in ('modelopt', 'torch') if m in sys.modules))")
@@ -326,7 +326,7 @@ ACTIVATIONS = {
 def test_activation_variants_quantize_and_export(yolov9_tree, shared, act, tmp_path):
     import onnxruntime as ort
 
-    from models.quantize import QuantConfig, quantize
+    from utils.qat.quantize.model_quant import QuantConfig, quantize
     from utils.qat.onnx_export import export_onnx
     from utils.qat.onnx_qdq import lint
     torch.manual_seed(0)  # a randomly initialised model: the same one whatever ran before
@@ -357,7 +357,7 @@ def test_lint_clean_on_every_size(yolov9_tree, shared, cfg, tmp_path):
     from conftest import tree_has
     if cfg.endswith(("-t", "-s")) and not tree_has(yolov9_tree, "ELAN1"):
         pytest.skip(f"{cfg} needs ELAN1 from upstream models/common.py, which this YOLOv9 tree lacks")
-    from models.quantize import QuantConfig, quantize
+    from utils.qat.quantize.model_quant import QuantConfig, quantize
     from utils.qat.onnx_export import export_onnx
     from utils.qat.onnx_qdq import lint
     model = build(yolov9_tree / "models" / "detect" / f"{cfg}.yaml", nc=80)
@@ -372,7 +372,7 @@ def test_lint_clean_on_every_size(yolov9_tree, shared, cfg, tmp_path):
 
 def test_mse_amax_minimises_quantization_error(yolov9_tree):
     """modelopt 0.47's own MSE search is broken (returns its first candidate); ours finds the minimum."""
-    from models.quantize_calib import mse_amax
+    from utils.qat.quantize.calib import mse_amax
     rng = np.random.default_rng(0)
     x = np.abs(np.concatenate([rng.normal(0, 1, 200_000), rng.normal(0, 8, 200)]))
     hist, edges = np.histogram(x, bins=2048, range=(0, x.max()))
@@ -393,7 +393,7 @@ def test_mse_amax_on_a_grown_histogram(yolov9_tree):
     (found calibrating the embedded segmentation model); the MSE search takes histc's own edges then."""
     from modelopt.torch.quantization.calib import HistogramCalibrator
 
-    from models.quantize_calib import mse_amax
+    from utils.qat.quantize.calib import mse_amax
     g = torch.Generator().manual_seed(0)
     for _ in range(3000):  # the 1502nd pair of batches below shows it with this seed
         c = HistogramCalibrator(num_bits=8, axis=None, unsigned=False)
@@ -415,7 +415,7 @@ SEG_CFGS = ["gelan-c-seg", "gelan-c-dseg", "yolov9-c-dseg"]
 def test_lint_clean_on_segmentation_models(yolov9_tree, shared, cfg, tmp_path):
     """Segmentation heads (Segment's Proto branch with its Upsample, DualDSegment's two proto convs) get
     quantizers where TensorRT needs them: zero lint findings, output0 + output1 in the graph."""
-    from models.quantize import QuantConfig, quantize
+    from utils.qat.quantize.model_quant import QuantConfig, quantize
     from utils.qat import yolov9
     from utils.qat.onnx_export import export_onnx
     from utils.qat.onnx_qdq import lint

@@ -1,4 +1,4 @@
-"""``--head-amax search`` (models/quantize_head.py): the detect head's input scales chosen by the head's
+"""``--head-amax search`` (utils/qat/quantize/head.py): the detect head's input scales chosen by the head's
 output error after calibration, on the embedded GELAN-QS model (CPU, small images)."""
 from __future__ import annotations
 
@@ -21,13 +21,13 @@ def images(shared):
 
 @pytest.fixture(scope="module")
 def calibrated(yolov9_tree, images):
-    from models.quantize import QuantConfig, quantize
+    from utils.qat.quantize.model_quant import QuantConfig, quantize
     from utils.qat import checkpoint
     return quantize(checkpoint.load_fp(QS), [images], QuantConfig(method="max"))
 
 
 def _amax(model) -> dict[str, torch.Tensor]:
-    from models.quantize_state import amax_state
+    from utils.qat.quantize.state import amax_state
     return amax_state(model)
 
 
@@ -35,7 +35,7 @@ def _amax(model) -> dict[str, torch.Tensor]:
 def test_search_lowers_the_head_loss_and_touches_only_head_scales(calibrated, images):
     import copy
 
-    from models.quantize_head import FACTORS, search_head_amax, searchable
+    from utils.qat.quantize.head import FACTORS, search_head_amax, searchable
     qmodel, info = calibrated
     qmodel = copy.deepcopy(qmodel)
     head = f"model.{len(qmodel.model) - 1}."
@@ -62,7 +62,7 @@ def test_search_lowers_the_head_loss_and_touches_only_head_scales(calibrated, im
 
 
 def test_head_in_fp_has_nothing_to_search(yolov9_tree, images, capsys):
-    from models.quantize import QuantConfig, quantize
+    from utils.qat.quantize.model_quant import QuantConfig, quantize
     from utils.qat import checkpoint
     fp = checkpoint.load_fp(QS)
     qmodel, info = quantize(fp, [images], QuantConfig(method="max", skip=(str(len(fp.model) - 1),), head_amax="search"))
@@ -71,7 +71,7 @@ def test_head_in_fp_has_nothing_to_search(yolov9_tree, images, capsys):
 
 
 def test_config_checks_and_records_the_choice():
-    from models.quantize_config import QuantConfig, QuantInfo
+    from utils.qat.quantize.config import QuantConfig, QuantInfo
     from utils.qat.errors import QATError
     with pytest.raises(QATError, match="--head-amax"):
         QuantConfig(head_amax="learned")

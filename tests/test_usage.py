@@ -102,7 +102,7 @@ def reference_tree(yolov9_tree, tmp_path_factory):
     shutil.copyfile(root / "shapes" / "shapes.yaml", tree / "data" / "coco.yaml")
     shutil.copyfile(QS, tree / "yolov9-c-converted.pt")
     from helpers import real_images
-    from models.quantize import QuantConfig, quantize
+    from utils.qat.quantize.model_quant import QuantConfig, quantize
     from utils.qat import checkpoint
     fp = checkpoint.load_fp(QS)
     # a quick PTQ stands in for the reference's quantize run

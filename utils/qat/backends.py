@@ -48,7 +48,7 @@ class Backend(Protocol):
 
 class TorchBackend:
     """A PyTorch model (FP or fake-quant). ``task="segment"`` returns ``(pred, protos)``. A fake-quant
-    model runs in full float32 (``models.quantize_qdq.full_fp32``: no TF32), as the runtimes compute it."""
+    model runs in full float32 (``utils.qat.quantize.qdq.full_fp32``: no TF32), as the runtimes compute it."""
 
     runtime = "PyTorch"
 
@@ -66,7 +66,7 @@ class TorchBackend:
 
     @torch.no_grad()
     def __call__(self, images: torch.Tensor):
-        from models.quantize_qdq import full_fp32
+        from utils.qat.quantize.qdq import full_fp32
         with full_fp32() if self.quantized else contextlib.nullcontext():
             out = yolov9.outputs(self.model(images), self.task)
         return out if len(out) > 1 else out[0]

@@ -101,7 +101,7 @@ def save_quantized(path: str | os.PathLike, model: nn.Module, info, *, epoch: in
 
 def rebuild(ckpt: dict) -> nn.Module:
     """A fused FP model built from the checkpoint's yaml, matching the quantized model's structure."""
-    from models.quantize import fuse
+    from utils.qat.quantize.model_quant import fuse
     return fuse(yolov9.build(ckpt["yaml"], ckpt["nc"], task=ckpt.get("task", "detect")).float())
 
 
@@ -109,9 +109,9 @@ def load_quantized(path: str | os.PathLike, task: str = "detect", ckpt: dict | N
     """Rebuild a quantized model in this process. Returns ``(model, QuantInfo, ckpt)``."""
     import modelopt.torch.opt as mto
 
-    from models import quantize_rules as rules
-    from models.quantize_config import QuantInfo
-    from models.quantize_qdq import use_qdq_rounding
+    from utils.qat.quantize import rules
+    from utils.qat.quantize.config import QuantInfo
+    from utils.qat.quantize.qdq import use_qdq_rounding
     ckpt = read(path) if ckpt is None else ckpt
     if not is_quantized(ckpt):
         raise QATError(f"{path} is a floating-point checkpoint, not a quantized one; run `qat.py quantize` "

@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
-from models.quantize_config import QuantConfig
+from utils.qat.quantize.config import QuantConfig
 from utils.qat import distributed
 from utils.qat.data import dataloader, images_only, labelled
 
 if TYPE_CHECKING:
-    from models.quantize_config import QuantInfo
-    from models.quantize_finetune import EpochResult, QATConfig
+    from utils.qat.quantize.config import QuantInfo
+    from utils.qat.quantize.finetune import EpochResult, QATConfig
     from utils.qat.run_record import RunRecorder
 
 
@@ -65,9 +65,9 @@ def ptq(fp_model: nn.Module, data: dict, config: QuantConfig = QuantConfig(), *,
     ``batch_size`` images of the training split (letterboxed, no augmentation). Returns ``(qmodel, info)``.
 
     In a multi-GPU run (process group joined) every rank calls this; rank 0 alone reads the images (the
-    global batches, as one process does) and the others receive its amax (``models/quantize_calib.py``).
+    global batches, as one process does) and the others receive its amax (``utils/qat/quantize/calib.py``).
     """
-    from models.quantize import quantize
+    from utils.qat.quantize.model_quant import quantize
     batches, num_batches = [], None
     if distributed.is_main():
         loader, _ = dataloader(data, "train", imgsz, batch_size, int(fp_model.stride.max()), workers=workers,
@@ -85,7 +85,7 @@ def _dump_amax(qmodel: nn.Module) -> None:
     folder = os.environ.get("YOLOV9_QAT_AMAX_DUMP")
     if not folder:
         return
-    from models.quantize_state import amax_table
+    from utils.qat.quantize.state import amax_table
     from utils.qat.atomic import write_text
     write_text(Path(folder) / f"amax_rank{distributed.rank()}.json", json.dumps(amax_table(qmodel)))
 
@@ -97,9 +97,9 @@ def finetune_stage(qmodel: nn.Module, fp_model: nn.Module, info: QuantInfo, data
     """QAT fine-tuning of the calibrated ``qmodel`` towards ``fp_model`` (and/or the labels) on the training
     split (upstream's augmentation per ``hyp``). ``batch_size`` is the global batch: each of ``world_size``
     processes reads its share (``local_rank`` >= 0, DistributedSampler)."""
-    from models.qat_objectives import needs_labels
-    from models.quantize import fuse
-    from models.quantize_finetune import finetune
+    from utils.qat.quantize.objectives import needs_labels
+    from utils.qat.quantize.model_quant import fuse
+    from utils.qat.quantize.finetune import finetune
     labels = needs_labels(config.objective)
     loader, _ = dataloader(data, "train", imgsz, batch_size // world_size, int(fp_model.stride.max()),
                            workers=workers, rect=False, shuffle=True, hyp=hyp, prefix="QAT: ", local_rank=local_rank,
@@ -141,7 +141,7 @@ def sensitivity(fp_model: nn.Module, data: dict, quant: QuantConfig, score: Eval
     """Per-layer sensitivity: the PTQ model scored with all layers INT8, then with each layer's quantizers
     off in turn. Returns ``(all-INT8 metrics, layers)``, layers best first: index, module, AP, AP50 (box AP
     for segmentation) and ``gain`` (AP with that layer in FP minus the all-INT8 AP)."""
-    from models.quantize_state import enabled_quantizers, quantizers_off
+    from utils.qat.quantize.state import enabled_quantizers, quantizers_off
     from utils.qat.run_record import ap_record
     qmodel, _ = ptq(fp_model, data, quant, imgsz=score.imgsz, batch_size=score.batch_size, device=score.device,
                     calib_batches=calib_batches, workers=score.workers)

@@ -19,8 +19,8 @@ from utils.qat.atomic import copy_file
 if TYPE_CHECKING:
     import torch.nn as nn
 
-    from models.quantize_config import QuantInfo
-    from models.quantize_finetune import EpochResult
+    from utils.qat.quantize.config import QuantInfo
+    from utils.qat.quantize.finetune import EpochResult
 
 
 def ap_record(m: Any) -> dict:

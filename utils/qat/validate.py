@@ -126,5 +126,5 @@ def image_size(values, flag: str = "--imgsz") -> tuple[int, int]:
 def skip_layers(model, value: str) -> None:
     """``--skip-layers`` (comma-separated layer indices and module-name patterns) against the model it
     will be applied to, checked as soon as the model is loaded: before any evaluation or calibration."""
-    from models.quantize_rules import fp_patterns
+    from utils.qat.quantize.rules import fp_patterns
     fp_patterns(model, [s for s in value.split(",") if s.strip()])

@@ -13,12 +13,12 @@ inputs of a concat, which TensorRT needs on one scale) learns one parameter, reg
 quantizer of the group, so the group stays on one scale. Each parameter's learning rate is its own
 calibrated value times ``lr``: amax values range from below 1 to about 100, and Adam moves a parameter by
 about its learning rate per step, so the steps are relative. The gradient is LSQ's
-(``models/quantize_qdq.py``).
+(``utils/qat/quantize/qdq.py``).
 
 While learning, a quantizer's amax is an ``nn.Parameter`` (so DistributedDataParallel averages its
 gradient over the ranks and the quantizers stay identical); checkpoints and ONNX export see the buffer
 modelopt expects, because ``as_buffers`` / ``release`` put one back with the learned value (the slot itself
-is handled by ``models/quantize_qdq.py``).
+is handled by ``utils/qat/quantize/qdq.py``).
 """
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from models.quantize_qdq import amax_to_buffer, amax_to_parameter
-from models.quantize_rules import input_quantizers
+from utils.qat.quantize.qdq import amax_to_buffer, amax_to_parameter
+from utils.qat.quantize.rules import input_quantizers
 
 MIN_AMAX = 1e-4
 

@@ -1,12 +1,12 @@
 """Calibration: statistics over images, then one amax per quantizer. The only module that reads modelopt's
 calibrator internals.
 
-    groups = calibrate(qmodel, batches, config, num_batches=25)   # qmodel from models.quantize.prepare
+    groups = calibrate(qmodel, batches, config, num_batches=25)   # qmodel from utils.qat.quantize.model_quant.prepare
 
 - Max calibrators (weights always; inputs with ``method="max"``): amax is the max |x| seen.
 - Histogram calibrators (percentile, mse, entropy): amax from the histogram of |x| (``histogram_amax``;
   the MSE search is this module's own, ``mse_amax``).
-- Then the quantizers that must share one scale (``models/quantize_rules.scale_groups``) get their
+- Then the quantizers that must share one scale (``utils/qat/quantize/rules.scale_groups``) get their
   group's largest amax; the groups are returned (``QuantInfo.scale_groups``).
 
 In a multi-GPU run rank 0 calibrates alone, on the global batches (what one process reads), and sends
@@ -21,9 +21,9 @@ import torch
 from modelopt.torch.quantization.calib import HistogramCalibrator
 from torch import nn
 
-from models import quantize_rules as rules
-from models.quantize_config import QuantConfig
-from models.quantize_state import amax_state, amax_vector, collecting, enabled_quantizers, load_amax
+from utils.qat.quantize import rules
+from utils.qat.quantize.config import QuantConfig
+from utils.qat.quantize.state import amax_state, amax_vector, collecting, enabled_quantizers, load_amax
 from utils.qat import distributed
 from utils.qat.errors import QATError
 from utils.qat.progress import progress
@@ -57,7 +57,7 @@ def _calibrate(model: nn.Module, batches: Iterable[torch.Tensor], config: QuantC
     modelopt 0.47's own histogram path calls ``compute_amax()`` without the method and computes each
     histogram amax twice; calibration is driven here instead: one pass, one ``compute_amax`` per quantizer.
     """
-    from models.quantize_head import SEARCH_BATCHES
+    from utils.qat.quantize.head import SEARCH_BATCHES
     quantizers = enabled_quantizers(model)
     training = model.training
     model.eval()
@@ -91,7 +91,7 @@ def _calibrate(model: nn.Module, batches: Iterable[torch.Tensor], config: QuantC
 
 
 def _search_head(model: nn.Module, batches: list[torch.Tensor], groups: list[list[str]]) -> None:
-    from models.quantize_head import search_head_amax
+    from utils.qat.quantize.head import search_head_amax
     result = search_head_amax(model, batches, groups)
     factors = result["factors"]
     if not factors:

@@ -4,7 +4,7 @@
 
 ``batches()`` returns a fresh iterable per epoch of image tensors (float, [0, 1], on any device) or of
 ``(images, targets[, masks])`` tuples from upstream's dataloader (the ``task`` objective needs the labels).
-What is minimised is ``QATConfig.objective`` (``models/qat_objectives.py``). Every epoch makes exactly
+What is minimised is ``QATConfig.objective`` (``utils/qat/quantize/objectives.py``). Every epoch makes exactly
 ``iters`` optimisation steps: a training set with fewer batches is read again (and the log says so).
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 import torch
 import torch.nn as nn
 
-from models import qat_objectives as objectives
+from utils.qat.quantize import objectives
 from utils.qat import distributed
 from utils.qat.errors import QATError
 from utils.qat.progress import progress
@@ -65,7 +65,7 @@ class _Taps:
     """Captures the outputs of chosen layers during a forward pass."""
 
     def __init__(self, model: nn.Module, indices: Sequence[int]):
-        from models.quantize_rules import _tensors
+        from utils.qat.quantize.rules import _tensors
         self.outputs: dict[int, list[torch.Tensor]] = {}
         self._tensors = _tensors
         self.hooks = [model.model[i].register_forward_hook(self._hook(i)) for i in indices]
@@ -137,7 +137,7 @@ def finetune(model: nn.Module, teacher: nn.Module, batches: Callable[[], Iterabl
     """Fine-tune the fake-quantized ``model`` towards ``teacher`` (and/or the labels) per ``config``.
 
     Optimiser over every trainable parameter, and with ``config.amax_lr`` the activation amax too
-    (``models/quantize_amax.py``; ``scale_groups``: the calibration's shared-scale groups, traced on the first
+    (``utils/qat/quantize/amax.py``; ``scale_groups``: the calibration's shared-scale groups, traced on the first
     batch when not given); linear warm-up then cosine decay, AMP on CUDA by default. ``hyp``: upstream hyp yaml
     values for the ``task`` objective's loss gains. ``on_epoch_start(epoch)`` runs before every epoch (e.g. a
     sampler's ``set_epoch``), ``on_epoch_end`` after every epoch (evaluate, save).
@@ -169,9 +169,9 @@ def finetune(model: nn.Module, teacher: nn.Module, batches: Callable[[], Iterabl
     optimizer = _optimizer(params, config)
     learned = None
     if config.amax_lr > 0:
-        from models.quantize_amax import LearnedAmax
+        from utils.qat.quantize.amax import LearnedAmax
         if scale_groups is None:
-            from models.quantize_rules import scale_groups as trace_groups
+            from utils.qat.quantize.rules import scale_groups as trace_groups
             example = _unpack(next(iter(batches())), device)[0][:1]
             scale_groups = trace_groups(model, example.float() / 255 if example.dtype == torch.uint8 else example)
         learned = LearnedAmax(model, scale_groups)

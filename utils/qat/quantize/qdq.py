@@ -7,7 +7,7 @@ exact .5 steps) they round to different integers. Those flips accumulate over tw
 evaluated during QAT was not quite the model a runtime executes (up to 0.0025 mAP50-95 apart on
 GELAN-C at 640 px).
 
-Every quantizer of a model made by ``models.quantize`` runs through ``fake_quant`` below instead, a
+Every quantizer of a model made by ``utils.qat.quantize.model_quant`` runs through ``fake_quant`` below instead, a
 backend joined through modelopt's own registry (``register_quant_backend``):
 
     scale = float32(amax) / 127            (0 -> 1, as the exported graph stores it)
@@ -18,11 +18,11 @@ with the straight-through gradient inside [-amax, amax] and zero outside (modelo
 exporting to ONNX the quantizer hands over to modelopt's own function, whose symbolic writes the
 QuantizeLinear / DequantizeLinear pair with exactly that scale.
 
-While QAT learns amax (``models/quantize_amax.py``), amax also gets a gradient, LSQ's (Esser et al.,
+While QAT learns amax (``utils/qat/quantize/amax.py``), amax also gets a gradient, LSQ's (Esser et al.,
 2020): ``(q - x / scale) / 127`` inside the range, ``q / 127`` where the input is clipped. Where the amax
 lives is a TensorQuantizer internal (its ``_amax`` slot: a buffer, or a parameter while learned): this
 module is the one place that touches it (``learned_amax``, ``amax_to_parameter``, ``amax_to_buffer``), as
-``models/quantize_calib.py`` is for the calibrators' internals.
+``utils/qat/quantize/calib.py`` is for the calibrators' internals.
 """
 from __future__ import annotations
 

@@ -114,8 +114,8 @@ TWINS = {common.Concat: QuantConcat, common.RepNBottleneck: QuantRepNBottleneck,
 def register_yolov9_modules() -> None:
     """Register the quantized twins and the QuantizeLinear-exact rounding with modelopt (idempotent;
     needed before quantize and restore)."""
-    from models import quantize_qdq
-    quantize_qdq.register()
+    from utils.qat.quantize import qdq
+    qdq.register()
     for original, twin in TWINS.items():
         if QuantModuleRegistry.get(original) is None:
             mtq.register(original_cls=original, quantized_cls=twin)
@@ -197,7 +197,7 @@ def input_quantizers(model: nn.Module, enabled_only: bool = True) -> dict[str, T
 @torch.no_grad()
 def scale_groups(model: nn.Module, example: torch.Tensor) -> list[list[str]]:
     """Groups (of two or more) of enabled input-quantizer names that must share one amax."""
-    from models.quantize_state import quantizers_off
+    from utils.qat.quantize.state import quantizers_off
     quantizers = input_quantizers(model)
     seen: dict[str, list[torch.Tensor]] = {n: [] for n in quantizers}
     keep: list[torch.Tensor] = []  # keeps traced tensors alive, so their ids stay unique

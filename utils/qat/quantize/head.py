@@ -7,7 +7,7 @@ the head's input quantizers carry about three quarters of the INT8 loss (docs/QA
 what matters there is the error of the head's outputs, not of its inputs. This search keeps the network
 before the head as calibrated, runs it once per batch (quantized, and with every quantizer off: the FP
 reference), and then tries multiples of each head input quantizer's amax in turn (coordinate descent in
-module order), keeping the one with the lowest ``head`` distillation loss (``models/qat_objectives.py``:
+module order), keeping the one with the lowest ``head`` distillation loss (``utils/qat/quantize/objectives.py``:
 class and box-distribution divergence from the FP head, on its raw training-form maps). Only the head is
 re-run per candidate, so the search costs a few hundred head evaluations.
 
@@ -22,8 +22,8 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
-from models.quantize_rules import input_quantizers
-from models.quantize_state import enabled_quantizers, quantizers_off
+from utils.qat.quantize.rules import input_quantizers
+from utils.qat.quantize.state import enabled_quantizers, quantizers_off
 from utils.qat.progress import progress
 
 FACTORS = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5)
@@ -79,7 +79,7 @@ def search_head_amax(model: nn.Module, batches: Iterable[torch.Tensor], groups: 
     """Set each searchable head input amax to the multiple of its calibrated value (one of ``factors``) that
     gives the lowest head distillation loss over ``batches``. Returns ``{"factors": {first name of each unit:
     factor}, "loss_before": ..., "loss_after": ...}`` (empty factors when the head has nothing to search)."""
-    from models.qat_objectives import head_distillation
+    from utils.qat.quantize.objectives import head_distillation
     head = model.model[-1]
     units = searchable(model, groups)
     if not units:

@@ -9,11 +9,11 @@ Public surface::
     groups = calibrate(qmodel, batches, config)         # then amax for every enabled quantizer
 
 ``QuantConfig`` and ``QuantInfo`` (the settings, and the record a checkpoint carries) live in
-``models/quantize_config.py``, importable without modelopt. Where each part lives: placement and shared
-scales ``models/quantize_rules.py``, calibration ``models/quantize_calib.py``, quantizer state
-``models/quantize_state.py``, the rounding ``models/quantize_qdq.py``, fine-tuning
-``models/quantize_finetune.py`` with its objectives in ``models/qat_objectives.py`` and learned scales in
-``models/quantize_amax.py``.
+``utils/qat/quantize/config.py``, importable without modelopt. Where each part lives: placement and shared
+scales ``utils/qat/quantize/rules.py``, calibration ``utils/qat/quantize/calib.py``, quantizer state
+``utils/qat/quantize/state.py``, the rounding ``utils/qat/quantize/qdq.py``, fine-tuning
+``utils/qat/quantize/finetune.py`` with its objectives in ``utils/qat/quantize/objectives.py`` and learned scales in
+``utils/qat/quantize/amax.py``.
 """
 from __future__ import annotations
 
@@ -27,10 +27,10 @@ import torch.nn as nn
 import modelopt.torch.quantization as mtq
 from modelopt.torch.quantization.nn import TensorQuantizer
 
-from models import quantize_rules as rules
-from models.quantize_calib import calibrate
-from models.quantize_config import QuantConfig, QuantInfo
-from models.quantize_qdq import use_qdq_rounding
+from utils.qat.quantize import rules
+from utils.qat.quantize.calib import calibrate
+from utils.qat.quantize.config import QuantConfig, QuantInfo
+from utils.qat.quantize.qdq import use_qdq_rounding
 from utils.qat.errors import QATError
 
 __all__ = ["QuantConfig", "QuantInfo", "calibrate", "fuse", "is_quantized", "prepare", "quantize"]

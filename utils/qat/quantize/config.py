@@ -1,7 +1,7 @@
 """What a quantization is made of, as plain data importable without modelopt or torch.
 
     config = QuantConfig(method="mse", skip=("22",))          # what the user chose
-    qmodel, info = quantize(fp_model, batches, config)       # models/quantize.py: info records the result
+    qmodel, info = quantize(fp_model, batches, config)       # utils/qat/quantize/model_quant.py: info records the result
 
 qat.py's argument parser needs the methods and defaults; importing modelopt starts CUDA (it asks
 ``torch.cuda.is_available()``), and in a multi-GPU run CUDA must not start before ``--device`` has narrowed
@@ -16,7 +16,7 @@ from utils.qat.errors import QATError
 CALIB_METHODS = ("max", "percentile", "mse", "entropy")
 DEFAULT_CALIB_METHOD = "mse"
 DEFAULT_PERCENTILE = 99.99
-HEAD_AMAX = ("calibrated", "search")  # the detect head's input scales: as calibrated, or searched (quantize_head.py)
+HEAD_AMAX = ("calibrated", "search")  # the detect head's input scales: as calibrated, or searched (head.py)
 
 
 @dataclass(frozen=True)
