@@ -86,8 +86,10 @@ def amax_to_buffer(quantizer) -> None:
 def fake_quant(inputs: torch.Tensor, quantizer) -> torch.Tensor:
     """modelopt backend entry point: ``inputs`` fake-quantized by ``quantizer`` (its amax, bits, sign)."""
     learned = learned_amax(quantizer)
-    amax = learned if learned is not None and torch.is_grad_enabled() else quantizer.amax.detach()
-    amax = amax.to(inputs.device)
+    # .data, not .detach(): while exporting, the scale must reach modelopt's symbolic as a constant
+    amax = learned if learned is not None and torch.is_grad_enabled() else quantizer.amax.data
+    if amax.device != inputs.device:
+        amax = amax.to(inputs.device)
     num_bits, unsigned, narrow = quantizer.num_bits, quantizer.unsigned, quantizer.narrow_range
     if torch.onnx.is_in_onnx_export() or not isinstance(num_bits, int):
         from modelopt.torch.quantization.tensor_quant import fake_tensor_quant
