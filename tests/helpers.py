@@ -1,6 +1,9 @@
-"""Shared helpers for tests: real images, randomly initialised models that do not vanish."""
+"""Shared helpers for tests: real images, randomly initialised models that do not vanish, upstream's own scripts."""
 from __future__ import annotations
 
+import contextlib
+import functools
+import shutil
 from pathlib import Path
 
 import cv2
@@ -77,3 +80,30 @@ def build(cfg, nc: int | None = None, seed: int = 0) -> nn.Module:
     model = yolov9.build(cfg, nc)
     model.names = {i: f"class{i}" for i in range(model.yaml["nc"] if nc is None else nc)}
     return reinit(model, seed)
+
+
+# Upstream's own loaders (attempt_load, strip_optimizer, val.py) call torch.load without weights_only, and
+# torch >= 2.6 refuses the full pickles upstream writes. No toolkit command goes through them (the toolkit reads
+# checkpoints with utils.qat.checkpoint.read), so compat leaves torch.load alone; a test that runs upstream's
+# loader on a checkpoint it wrote itself lifts the default for its own process, as a user of those scripts would.
+UPSTREAM_LOADS_PICKLES = "import functools, torch; torch.load = functools.partial(torch.load, weights_only=False)\n"
+
+
+@contextlib.contextmanager
+def upstream_loads_pickles():
+    """In this process: upstream's attempt_load reads the full pickles these tests wrote (UPSTREAM_LOADS_PICKLES)."""
+    original = torch.load
+    torch.load = functools.partial(original, weights_only=False)
+    try:
+        yield
+    finally:
+        torch.load = original
+
+
+def upstream_config_dir(folder: Path) -> dict:
+    """Environment for upstream's val.py: a config dir holding Arial.ttf (matplotlib's DejaVuSans), since upstream's
+    check_dataset downloads the font when it is missing, and no toolkit command needs that patched."""
+    import matplotlib
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(Path(matplotlib.get_data_path()) / "fonts" / "ttf" / "DejaVuSans.ttf", folder / "Arial.ttf")
+    return {"YOLOV5_CONFIG_DIR": str(folder)}

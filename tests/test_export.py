@@ -78,6 +78,15 @@ def fp_dynamic(fp_model, work):
 
 
 @pytest.fixture(scope="module")
+def fp_static(fp_model, work):
+    """The FP graph at batch 2 (test_fp_static_export_matches_pytorch checks it; the FP16 test's FP32 reference)."""
+    from utils.qat.onnx_export import export_onnx
+    out = work / "fp-static.onnx"
+    rep = export_onnx(fp_model, out, imgsz=IMGSZ, batch_size=2, metadata={"source": "gelan-c.pt"})
+    return out, rep
+
+
+@pytest.fixture(scope="module")
 def qat_plain_cli(yolov9_tree, qat_ckpt):
     """export_qat.py --include onnx --dynamic --simplify --inplace (the reference README's command), run once."""
     r = run_tool(yolov9_tree, "export_qat.py", "--weights", str(qat_ckpt), "--include", "onnx", "--dynamic",
@@ -128,10 +137,8 @@ def _no_partial_files(folder: Path) -> list[str]:
 # plain exports
 # ---------------------------------------------------------------------------------------------
 
-def test_fp_static_export_matches_pytorch(fp_model, work, images):
-    from utils.qat.onnx_export import export_onnx
-    out = work / "fp-static.onnx"
-    rep = export_onnx(fp_model, out, imgsz=IMGSZ, batch_size=2, metadata={"source": "gelan-c.pt"})
+def test_fp_static_export_matches_pytorch(fp_model, fp_static, images):
+    out, rep = fp_static
     ins, outs = _io(out)
     assert ins == {"images": ([2, 3, IMGSZ, IMGSZ], onnx.TensorProto.FLOAT)}
     assert outs == {"output0": ([2, 84, 525], onnx.TensorProto.FLOAT)}
@@ -203,16 +210,18 @@ def test_qat_reference_command_plain(qat_plain_cli, qat_model, images):
 
 
 @pytest.mark.slow
-def test_half_fp_and_qat(fp_model, qat_model, work, images):
+def test_half_fp_and_qat(fp_model, fp_static, qat_model, qat_plain_cli, work, images):
     """--half is NVIDIA ModelOpt AutoCast: I/O stay FP32, FP initializers become FP16; on the Q/DQ graph the opset
     is 19 with FP16 scales and every quantized Conv reads its input and weight straight from a DequantizeLinear (no
-    Cast in between: what ModelOpt keeps "for optimal TRT fusion"); the lint stays clean; outputs stay close."""
+    Cast in between: what ModelOpt keeps "for optimal TRT fusion"); the lint stays clean; outputs stay close.
+    The FP32 references are the module's graphs of the same models (the static FP one, the reference command's
+    INT8 one), not exported again: a GELAN-C export is what this test spends its time on."""
     from utils.qat.onnx_export import export_onnx
     from utils.qat.onnx_qdq import conv_feeds
     qmodel, fp_patterns = qat_model
-    for name, model, kw in (("fp", fp_model, {}), ("qat", qmodel, {"allow_fp": fp_patterns})):
-        full, half = work / f"{name}-fp32.onnx", work / f"{name}-fp16.onnx"
-        export_onnx(model, full, imgsz=IMGSZ, batch_size=2, **kw)
+    for name, model, kw, full in (("fp", fp_model, {}, fp_static[0]),
+                                  ("qat", qmodel, {"allow_fp": fp_patterns}, qat_plain_cli[1])):
+        half = work / f"{name}-fp16.onnx"
         rep = export_onnx(model, half, imgsz=IMGSZ, batch_size=2, half=True, **kw)
         assert rep["half"] and _meta(half)["half"] == "true"
         m = onnx.load(str(half))

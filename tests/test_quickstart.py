@@ -10,11 +10,18 @@ import pytest
 from conftest import REPO
 
 
+# QAT steps for the test: a third of the quickstart's default 24, on the same data, model and evaluation. Measured
+# on 2 CPU cores (AP50-95 on the 64 val images): Origin 0.9330, PTQ 0.9279; QAT after 2 steps 0.9281 (too close to
+# call), after 8 steps 0.9317, which wins back three quarters of PTQ's loss. QAT_MARGIN keeps the check meaningful.
+TEST_ITERS = "8"
+QAT_MARGIN = 0.001
+
+
 @pytest.mark.slow
 @pytest.mark.e2e
 def test_quickstart_end_to_end(tmp_path):
     work = tmp_path / "qs"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "YOLOV9_QAT_QUIET": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "YOLOV9_QAT_QUIET": "1", "QS_ITERS": TEST_ITERS}
     r = subprocess.run(["bash", str(REPO / "scripts" / "quickstart.sh"), str(work)], capture_output=True, text=True,
                        env=env, timeout=1500)
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
@@ -33,7 +40,8 @@ def test_quickstart_end_to_end(tmp_path):
     assert set(rows) == {"Origin", "PTQ", "QAT", "INT8 ONNX Runtime"}
     assert abs(rows["INT8 ONNX Runtime"]["AP"] - rows["QAT"]["AP"]) <= 0.01
     assert rows["QAT"]["AP"] >= rows["Origin"]["AP"] - 0.02
-    assert rows["QAT"]["AP"] > rows["PTQ"]["AP"] and rows["QAT"]["epoch"] == 1  # fine-tuning beat calibration
+    # fine-tuning beat calibration, by more than rounding
+    assert rows["QAT"]["AP"] > rows["PTQ"]["AP"] + QAT_MARGIN and rows["QAT"]["epoch"] == 1, (rows["QAT"], rows["PTQ"])
     assert "INT8 ONNX Runtime" in (run / "report.md").read_text()
     assert "Next, on your own model" in r.stdout
 

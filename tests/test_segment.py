@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from conftest import REPO, cli_error, run_main, run_tool
+from helpers import UPSTREAM_LOADS_PICKLES, upstream_config_dir
 
 SEG = REPO / "weights" / "gelan-qs-seg-shapes.pt"
 DET = REPO / "weights" / "gelan-qs-shapes.pt"
@@ -118,16 +119,15 @@ def test_match_equals_upstream_process_batch():
 
 
 @pytest.mark.slow
-def test_evaluator_equals_upstream_segment_val(yolov9_tree, seg_shapes):
+def test_evaluator_equals_upstream_segment_val(yolov9_tree, seg_shapes, tmp_path):
     """Box and mask P, R, mAP50, mAP50-95 equal upstream segment/val.py's on the same model and data."""
     if not (yolov9_tree / "segment" / "val.py").is_file():
         pytest.skip("upstream segment/val.py is missing (the stand-in tree has no segment/ scripts); "
                     "run with YOLOV9_DIR set to a YOLOv9 clone")
-    script = f"""
+    script = UPSTREAM_LOADS_PICKLES + f"""
 import json, sys
 sys.argv = ['segment/val.py']
 from utils.qat import compat; compat.apply()
-compat.trust_checkpoint({str(SEG)!r})
 import torch
 sys.path.insert(0, 'segment')
 import val as seg_val
@@ -143,7 +143,7 @@ r = evaluate(TorchBackend(m, torch.device('cpu'), task='segment'), load_data_yam
 ours = [r.box.P, r.box.R, r.box.mAP50, r.box.mAP50_95, r.mask.P, r.mask.R, r.mask.mAP50, r.mask.mAP50_95]
 print(json.dumps({{'upstream': [float(x) for x in up], 'ours': ours}}))
 """
-    r = run_tool(yolov9_tree, "-c", script, timeout=600)
+    r = run_tool(yolov9_tree, "-c", script, timeout=600, env=upstream_config_dir(tmp_path / "config"))
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res["ours"][7] > 0.5

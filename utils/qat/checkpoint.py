@@ -17,7 +17,6 @@ import torch.nn as nn
 
 from utils.qat import __version__, yolov9
 from utils.qat.atomic import write_bytes
-from utils.qat.compat import trust_checkpoint
 from utils.qat.errors import QATError
 
 FORMAT = "yolov9-qat"
@@ -28,8 +27,7 @@ def read(path: str | os.PathLike) -> dict:
     path = Path(path)
     if not path.is_file():
         raise QATError(f"weights file not found: {path}; pass the path of a .pt checkpoint.")
-    trust_checkpoint(path)
-    try:
+    try:  # a full pickle (upstream's format), from the file the user named: weights_only=False, the one place
         ckpt = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # pickle, zip and torch errors all mean the same thing to the user
         raise QATError(f"{path} is not a PyTorch checkpoint ({type(e).__name__}); pass a YOLOv9 .pt file.") from e
