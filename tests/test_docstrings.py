@@ -3,7 +3,7 @@ Python statement with a call) names functions and classes that exist, with argum
 
 A name the example calls must be bound by the example itself (``qmodel, info = prepare(...)``), be a builtin, be
 defined or imported by the module, or (for a pointer to another room, like ``evaluate(...)`` in
-models/quantize_state.py) be defined at the top of some toolkit module. A method called on a name the example bound
+utils/qat/quantize/state.py) be defined at the top of some toolkit module. A method called on a name the example bound
 from a class (``learned = LearnedAmax(...)``; ``learned.release()``) must exist on that class. Names the caller
 brings (``model(images)``, ``optimizer.add_param_group``) are not checked: the example does not define them.
 """
@@ -20,17 +20,22 @@ from conftest import REPO
 
 # The overlay's Python modules (what patch_yolov9.sh copies), by import name.
 MODULES = sorted(
-    ".".join(p.relative_to(REPO).with_suffix("").parts)
-    for pattern in ("*.py", "models/*.py", "utils/qat/*.py", "segment/*.py")
+    ".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+    for pattern in ("*.py", "utils/qat/*.py", "utils/qat/quantize/*.py", "segment/*.py")
     for p in REPO.glob(pattern))
 # Called in examples without being defined there: objects the caller brings, and the notation of the formula in
-# models/quantize_qdq.py's docstring (what fake_quant computes, written as math, not calls).
+# utils/qat/quantize/qdq.py's docstring (what fake_quant computes, written as math, not calls).
 CALLER_OBJECTS = {"model", "backend"}
 NOTATION = {"float32", "clamp", "round_half_to_even"}
 
 
+def _source(module: str) -> str:
+    path = REPO / module.replace(".", "/")
+    return (path / "__init__.py" if path.is_dir() else path.with_suffix(".py")).read_text()
+
+
 def _docstring(module: str) -> str:
-    return ast.get_docstring(ast.parse((REPO / (module.replace(".", "/") + ".py")).read_text())) or ""
+    return ast.get_docstring(ast.parse(_source(module))) or ""
 
 
 def example_statements(doc: str) -> list[tuple[str, ast.stmt]]:
@@ -53,7 +58,7 @@ def example_statements(doc: str) -> list[tuple[str, ast.stmt]]:
 def toolkit_definitions() -> set[str]:
     names = set()
     for module in MODULES:
-        tree = ast.parse((REPO / (module.replace(".", "/") + ".py")).read_text())
+        tree = ast.parse(_source(module))
         names |= {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
     return names
 
@@ -126,14 +131,14 @@ def test_docstring_examples_call_what_exists(yolov9_tree, module):
 
 def test_the_check_catches_a_call_that_does_not_exist(yolov9_tree):
     """What the check is for: a docstring naming a function, keyword or method that is gone fails it."""
-    import models.quantize
-    stale = {"prepare(fp_model, method='mse', skip_layers=['22'])": "takes no skip_layers=",
+    from utils.qat.quantize import model_quant
+    stale = {"prepare(fp_model, skip_layers=['22'])": "takes no skip_layers=",
              "qmodel = quantize_model(fp_model)": "which no toolkit module defines"}
     for code, why in stale.items():
         (line, stmt), = example_statements(code)
         call = next(n for n in ast.walk(stmt) if isinstance(n, ast.Call))
         with pytest.raises(AssertionError, match=why):
-            if hasattr(models.quantize, call.func.id):
-                check_arguments(getattr(models.quantize, call.func.id), call, line)
+            if hasattr(model_quant, call.func.id):
+                check_arguments(getattr(model_quant, call.func.id), call, line)
             else:
                 assert call.func.id in toolkit_definitions(), f"{line!r} calls {call.func.id}, which no toolkit module defines"
