@@ -6,8 +6,8 @@
 
 ``config`` (settings and the record a checkpoint carries), ``model_quant`` (fuse, prepare, quantize),
 ``rules`` (where Q/DQ go, which scales are shared), ``calib`` (calibration; the only module reading
-modelopt's calibrator internals), ``state`` (quantizers on/off/collecting, amax tables), ``qdq`` (the
-QuantizeLinear-exact fake quantization; the only module touching a quantizer's amax slot), ``head``
+modelopt's internals), ``state`` (quantizers on/off/collecting, amax tables), ``qdq`` (the
+QuantizeLinear-exact fake quantization), ``head``
 (``--head-amax search``), ``finetune`` / ``objectives`` / ``amax`` (QAT). Nothing is imported here, so
 ``config`` stays importable without modelopt.
 """

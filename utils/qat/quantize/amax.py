@@ -18,7 +18,7 @@ about its learning rate per step, so the steps are relative. The gradient is LSQ
 While learning, a quantizer's amax is an ``nn.Parameter`` (so DistributedDataParallel averages its
 gradient over the ranks and the quantizers stay identical); checkpoints and ONNX export see the buffer
 modelopt expects, because ``as_buffers`` / ``release`` put one back with the learned value (the slot itself
-is handled by ``utils/qat/quantize/qdq.py``).
+is handled by ``utils/qat/quantize/calib.py``).
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from utils.qat.quantize.qdq import amax_to_buffer, amax_to_parameter
+from utils.qat.quantize.calib import amax_to_buffer, amax_to_parameter
 from utils.qat.quantize.rules import input_quantizers
 
 MIN_AMAX = 1e-4

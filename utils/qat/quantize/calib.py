@@ -1,5 +1,6 @@
 """Calibration: statistics over images, then one amax per quantizer. The only module that reads modelopt's
-calibrator internals.
+internals: the calibrators' histograms, and where a quantizer keeps its amax (``learned_amax``,
+``amax_to_parameter``, ``amax_to_buffer``: a buffer, or a parameter while ``--amax-lr`` learns it).
 
     groups = calibrate(qmodel, batches, config, num_batches=25)   # qmodel from utils.qat.quantize.model_quant.prepare
 
@@ -138,3 +139,22 @@ def mse_amax(hist: torch.Tensor, edges: torch.Tensor, num_bits: int = 8, unsigne
         if float(err[i]) < best_err:
             best, best_err = chunk[i], float(err[i])
     return best.float()
+
+
+# ---- where a quantizer keeps its amax --------------------------------------------------------------
+
+def learned_amax(quantizer) -> nn.Parameter | None:
+    """The quantizer's amax parameter while QAT learns it, else None."""
+    return quantizer._parameters.get("_amax")
+
+
+def amax_to_parameter(quantizer, param: nn.Parameter) -> None:
+    """Make ``param`` the quantizer's amax (replacing its buffer): what the forward pass reads and differentiates."""
+    del quantizer._buffers["_amax"]
+    quantizer._parameters["_amax"] = param
+
+
+def amax_to_buffer(quantizer) -> None:
+    """Put a plain buffer back in the amax slot, holding the parameter's current value."""
+    param = quantizer._parameters.pop("_amax")
+    quantizer._buffers["_amax"] = param.detach().clone()

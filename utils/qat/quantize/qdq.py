@@ -31,6 +31,8 @@ import contextlib
 import torch
 import torch.nn as nn
 
+from utils.qat.quantize.calib import learned_amax
+
 BACKEND = "yolov9_qat_qdq"
 
 
@@ -64,23 +66,6 @@ class _QDQ(torch.autograd.Function):
             local = grad.float() * ctx.saved_tensors[1].float() / 127.0  # 127: qdq_scale's divisor
             grad_amax = local.sum_to_size(ctx.amax_shape) if len(ctx.amax_shape) else local.sum()
         return grad_x, grad_amax, None, None
-
-
-def learned_amax(quantizer) -> nn.Parameter | None:
-    """The quantizer's amax parameter while QAT learns it, else None."""
-    return quantizer._parameters.get("_amax")
-
-
-def amax_to_parameter(quantizer, param: nn.Parameter) -> None:
-    """Make ``param`` the quantizer's amax (replacing its buffer): what the forward pass reads and differentiates."""
-    del quantizer._buffers["_amax"]
-    quantizer._parameters["_amax"] = param
-
-
-def amax_to_buffer(quantizer) -> None:
-    """Put a plain buffer back in the amax slot, holding the parameter's current value."""
-    param = quantizer._parameters.pop("_amax")
-    quantizer._buffers["_amax"] = param.detach().clone()
 
 
 def fake_quant(inputs: torch.Tensor, quantizer) -> torch.Tensor:
