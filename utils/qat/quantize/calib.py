@@ -20,6 +20,7 @@ from collections.abc import Iterable
 
 import torch
 from modelopt.torch.quantization.calib import HistogramCalibrator
+from modelopt.torch.quantization.nn import TensorQuantizer
 from torch import nn
 
 from utils.qat.quantize import rules
@@ -143,18 +144,18 @@ def mse_amax(hist: torch.Tensor, edges: torch.Tensor, num_bits: int = 8, unsigne
 
 # ---- where a quantizer keeps its amax --------------------------------------------------------------
 
-def learned_amax(quantizer) -> nn.Parameter | None:
+def learned_amax(quantizer: TensorQuantizer) -> nn.Parameter | None:
     """The quantizer's amax parameter while QAT learns it, else None."""
     return quantizer._parameters.get("_amax")
 
 
-def amax_to_parameter(quantizer, param: nn.Parameter) -> None:
+def amax_to_parameter(quantizer: TensorQuantizer, param: nn.Parameter) -> None:
     """Make ``param`` the quantizer's amax (replacing its buffer): what the forward pass reads and differentiates."""
     del quantizer._buffers["_amax"]
     quantizer._parameters["_amax"] = param
 
 
-def amax_to_buffer(quantizer) -> None:
+def amax_to_buffer(quantizer: TensorQuantizer) -> None:
     """Put a plain buffer back in the amax slot, holding the parameter's current value."""
     param = quantizer._parameters.pop("_amax")
     quantizer._buffers["_amax"] = param.detach().clone()
