@@ -14,6 +14,7 @@ Quantizers are grouped across the head's levels by default (``cv2.0.1`` and ``cv
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import re
@@ -27,14 +28,12 @@ compat.apply()
 
 import torch  # noqa: E402
 
-from utils.qat.quantize.config import DEFAULT_CALIB_METHOD, QuantConfig  # noqa: E402
 from utils.qat import checkpoint  # noqa: E402
 from utils.qat.atomic import write_text  # noqa: E402
-from utils.qat.backends import TorchBackend  # noqa: E402
 from utils.qat.data import load_data_yaml  # noqa: E402
 from utils.qat.device import select_device  # noqa: E402
-from utils.qat.evaluate import evaluate  # noqa: E402
-from utils.qat.pipeline import ptq  # noqa: E402
+from utils.qat.pipeline import Evaluation, ptq  # noqa: E402
+from utils.qat.quantize.config import DEFAULT_CALIB_METHOD, QuantConfig  # noqa: E402
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -57,7 +56,8 @@ def quantizer_groups(layer: torch.nn.Module, prefix: str, per_level: bool) -> di
     """The layer's enabled quantizers by group name: ``all inputs``, ``all weights``, then one group per
     (branch position, input/weight) with the level index folded to ``*`` unless ``per_level``."""
     from utils.qat.quantize.state import enabled_quantizers
-    named = {f"{prefix}.{n}" if n else prefix: q for n, q in layer.named_modules() if q in enabled_quantizers(layer)}
+    enabled = {id(q) for q in enabled_quantizers(layer)}
+    named = {f"{prefix}.{n}" if n else prefix: q for n, q in layer.named_modules() if id(q) in enabled}
     groups: dict[str, list] = {
         "all inputs": [q for n, q in named.items() if not n.endswith("weight_quantizer")],
         "all weights": [q for n, q in named.items() if n.endswith("weight_quantizer")],
@@ -90,19 +90,18 @@ def main(args) -> dict:
     device = select_device(args.device)
     data = load_data_yaml(args.data, splits=("train", "val"))
     fp = checkpoint.load_fp(args.weights)
-    common = dict(imgsz=args.imgsz, batch_size=args.batch_size, workers=args.workers)
+    score = Evaluation(data, imgsz=args.imgsz, batch_size=args.batch_size, device=device, workers=args.workers)
     index = args.layer % len(fp.model)
     results: dict = {"weights": Path(args.weights).name, "layer": index, "module": type(fp.model[index]).__name__,
                      "calib_method": args.calib_method, "groups": [],
                      "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"}
-    import copy
-    results["origin"] = evaluate(TorchBackend(fuse(copy.deepcopy(fp)), device), data, desc="Origin", **common).mAP50_95
-    qmodel, _ = ptq(fp, data, QuantConfig(method=args.calib_method), calib_batches=args.calib_batches, device=device, **common)
-    backend = TorchBackend(qmodel, device)
-    results["ptq"] = evaluate(backend, data, desc="PTQ", **common).mAP50_95
+    results["origin"] = score(fuse(copy.deepcopy(fp)), "Origin")[0].mAP50_95
+    qmodel, _ = ptq(fp, data, QuantConfig(method=args.calib_method), imgsz=args.imgsz, batch_size=args.batch_size,
+                    device=device, calib_batches=args.calib_batches, workers=args.workers)
+    results["ptq"] = score(qmodel, "PTQ")[0].mAP50_95
     for name, qs in quantizer_groups(qmodel.model[index], f"model.{index}", args.per_level).items():
         with quantizers_off(qs):
-            m = evaluate(backend, data, desc=f"{name} FP", **common)
+            m, _ = score(qmodel, f"{name} FP")
         results["groups"].append({"group": name, "quantizers": len(qs), "AP": round(m.mAP50_95, 4),
                                   "AP50": round(m.mAP50, 4)})
         write_text(out / "results.json", json.dumps(results, indent=2))

@@ -88,25 +88,21 @@ def search_head_amax(model: nn.Module, batches: Iterable[torch.Tensor], groups: 
     everything = enabled_quantizers(model)
     training = model.training
     model.eval()
+    head.train()  # the raw maps the objective reads; the capture stops before the head runs
     capture = _HeadInputs(head)
     cached = []
     try:
         for images in batches:
             quantized = capture.run(model, images)
             with quantizers_off(everything):
-                reference = capture.run(model, images)
-                head.train()
-                target = head(list(reference))
-                head.eval()
+                target = head(capture.run(model, images))
             cached.append((quantized, target))
 
         def loss() -> float:
-            head.train()
             total = 0.0
-            for quantized, target in cached:
+            for quantized, target in cached:  # the head writes into the list it is given: a fresh one each time
                 parts = head_distillation(head(list(quantized)), target, head.reg_max, head.nc)
                 total += float(sum(parts.values()))
-            head.eval()
             return total / len(cached)
 
         chosen: dict[str, float] = {}
@@ -127,6 +123,5 @@ def search_head_amax(model: nn.Module, batches: Iterable[torch.Tensor], groups: 
                 q.amax = a * best
             chosen[unit[0]] = best
     finally:
-        head.eval()
         model.train(training)
     return {"factors": chosen, "loss_before": before, "loss_after": best_loss}
