@@ -42,15 +42,17 @@ def _common(p: argparse.ArgumentParser, project: str) -> None:
 
 
 def _calibration(p: argparse.ArgumentParser) -> None:
-    from utils.qat.quantize.config import CALIB_METHODS, DEFAULT_CALIB_METHOD, DEFAULT_PERCENTILE, HEAD_AMAX
+    from utils.qat.quantize.config import CALIB_METHODS, DEFAULT_CALIB_METHOD, DEFAULT_HEAD_AMAX, DEFAULT_PERCENTILE, HEAD_AMAX
     p.add_argument("--calib-method", choices=CALIB_METHODS, default=DEFAULT_CALIB_METHOD,
                    help="activation calibration (weights are always per-channel max)")
     p.add_argument("--percentile", type=float, default=DEFAULT_PERCENTILE, help="for --calib-method percentile")
     p.add_argument("--calib-batches", type=int, default=25, help="training-set batches used for calibration")
-    p.add_argument("--head-amax", choices=HEAD_AMAX, default=HEAD_AMAX[0],
+    p.add_argument("--head-amax", choices=HEAD_AMAX, default=DEFAULT_HEAD_AMAX,
                    help="the detect head's input scales: as calibrated, or searched after calibration for the "
                         "lowest error of the head's outputs against the FP head (a few seconds on a GPU)")
-    p.add_argument("--hyp", default=None, help="hyperparameter yaml for QAT-time augmentation")
+    p.add_argument("--hyp", default=None,
+                   help="hyperparameter yaml for QAT-time augmentation, e.g. data/hyps/hyp.scratch-high.yaml (the "
+                        "default recipe was measured with it; without it fine-tuning sees the images unaugmented)")
     p.add_argument("--seed", type=int, default=57)
 
 
@@ -58,7 +60,7 @@ def _finetuning(p: argparse.ArgumentParser) -> None:
     from utils.qat.quantize.objectives import OBJECTIVES
     from utils.qat.quantize.finetune import OPTIMIZERS, QATConfig
     d = QATConfig()
-    p.add_argument("--epochs", type=int, default=d.epochs, help="QAT epochs")
+    p.add_argument("--epochs", type=int, default=d.epochs, help="QAT epochs (default: %(default)s)")
     p.add_argument("--iters", type=int, default=d.iters,
                    help="QAT optimisation steps per epoch (a smaller training set is read again)")
     p.add_argument("--qat-loss", choices=OBJECTIVES, default=d.objective,

@@ -35,7 +35,7 @@ import torch  # noqa: E402
 
 from utils.qat.quantize.objectives import head_distillation, head_of  # noqa: E402
 from utils.qat.quantize.model_quant import fuse  # noqa: E402
-from utils.qat.quantize.config import HEAD_AMAX, QuantConfig  # noqa: E402
+from utils.qat.quantize.config import DEFAULT_HEAD_AMAX, HEAD_AMAX, QuantConfig  # noqa: E402
 from utils.qat.quantize.finetune import QATConfig  # noqa: E402
 from utils.qat import checkpoint  # noqa: E402
 from utils.qat.atomic import write_text  # noqa: E402
@@ -68,7 +68,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="")
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--calib-method", default="mse")
-    p.add_argument("--head-amax", choices=HEAD_AMAX, default=HEAD_AMAX[0], help="the head's input scales (qat.py's flag)")
+    p.add_argument("--head-amax", choices=HEAD_AMAX, default=DEFAULT_HEAD_AMAX, help="the head's input scales (qat.py's flag)")
     p.add_argument("--calib-batches", type=int, default=25)
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--iters", type=int, default=100)

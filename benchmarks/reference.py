@@ -30,7 +30,7 @@ compat.apply()
 import torch  # noqa: E402
 
 import qat  # noqa: E402
-from utils.qat.quantize.config import CALIB_METHODS, DEFAULT_CALIB_METHOD, HEAD_AMAX, QuantConfig  # noqa: E402
+from utils.qat.quantize.config import CALIB_METHODS, DEFAULT_CALIB_METHOD, DEFAULT_HEAD_AMAX, HEAD_AMAX, QuantConfig  # noqa: E402
 from utils.qat import __version__, checkpoint, reports  # noqa: E402
 from utils.qat.atomic import write_text  # noqa: E402
 from utils.qat.backends import ORTBackend, TorchBackend  # noqa: E402
@@ -53,7 +53,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", default=",".join(CALIB_METHODS), help="calibration methods for the PTQ table")
     p.add_argument("--calib-method", default=DEFAULT_CALIB_METHOD, help="method used for QAT")
     p.add_argument("--calib-batches", type=int, default=25)
-    p.add_argument("--head-amax", choices=HEAD_AMAX, default=HEAD_AMAX[0],
+    p.add_argument("--head-amax", choices=HEAD_AMAX, default=DEFAULT_HEAD_AMAX,
                    help="search: PTQ rows with the head's input scales searched beside the calibrated ones, and "
                         "QAT started from the searched model")
     p.add_argument("--qat-args", default="", help="more qat.py quantize flags for the QAT stages, e.g. '--lr 1e-5 "

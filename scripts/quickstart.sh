@@ -57,8 +57,10 @@ DATA=$WORK/shapes/shapes.yaml
 
 cd "$TREE"
 say "4/6 PTQ calibration + QAT ($EPOCHS epoch(s) x $ITERS batches) of the embedded model, evaluated at each stage"
+# The embedded model keeps its calibrated head scales and amax: on the synthetic shapes the head search and learned
+# amax (the defaults, chosen on GELAN-C/S) measured worse (docs/QAT.md, fourth round), and a CPU run is short.
 "$PY" qat.py quantize --weights "$WEIGHTS" --data "$DATA" --hyp data/hyps/hyp.scratch-high.yaml \
-    --imgsz $IMGSZ --batch-size 16 --device "$DEVICE" --workers 2 --calib-batches 8 --calib-method percentile \
+    --head-amax calibrated --amax-lr 0 --imgsz $IMGSZ --batch-size 16 --device "$DEVICE" --workers 2 --calib-batches 8 --calib-method percentile \
     --epochs "$EPOCHS" --iters "$ITERS" --project "$WORK/runs" --name quickstart --exist-ok
 QAT=$RUN/weights/qat_best_gelan-qs-shapes.pt
 

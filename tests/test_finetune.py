@@ -154,7 +154,7 @@ def test_iters_are_steps_and_a_short_set_is_read_again(qs, qs_calibrated, images
         reads.append(1)
         return [images[:2], images[2:]]
 
-    results = finetune(copy.deepcopy(qmodel), fuse(copy.deepcopy(qs)), batches, QATConfig(epochs=2, iters=5, ema=0))
+    results = finetune(copy.deepcopy(qmodel), fuse(copy.deepcopy(qs)), batches, QATConfig(epochs=2, iters=5, ema=0, amax_lr=0))
     assert [r.steps for r in results] == [5, 5]
     assert len(reads) == 6  # 3 reads of 2 batches per epoch
     assert "gives 2 batches an epoch; reading it again to make 5 steps" in capsys.readouterr().out

@@ -252,9 +252,10 @@ def test_qat_seg_export_and_onnxruntime(yolov9_tree, seg_shapes, seg_run, tmp_pa
         assert rows[name]["task"] == "segment"
     for group in ("Box", "Mask"):
         assert abs(rows["plain"][group]["mAP50-95"] - qat[group]["mAP50-95"]) < 0.02, (group, rows["plain"], qat)
-    # in-graph NMS (ONNX NonMaxSuppression, top-k 300) vs the evaluator's NMS: ties and the top-k cut differ,
-    # by up to 0.003 on these 64 images depending on the checkpoint (0.0029 with the current QAT recipe)
-    assert abs(rows["e2e"]["Box"]["mAP50-95"] - rows["plain"]["Box"]["mAP50-95"]) < 5e-3
+    # in-graph NMS (ONNX NonMaxSuppression, top-k 300) vs the evaluator's NMS: ties and the top-k cut differ, by an
+    # amount that depends on the checkpoint on these 64 images (0.0029 with calibrated head scales, 0.0052 with the
+    # searched ones and learned amax); a broken in-graph NMS or box decoding costs tenths
+    assert abs(rows["e2e"]["Box"]["mAP50-95"] - rows["plain"]["Box"]["mAP50-95"]) < 0.01
     assert rows["e2e"]["Mask"]["mAP50-95"] > 0.6  # ROIAlign masks, scored at prototype resolution
     md = (run / "report.md").read_text()
     assert "INT8 ORT plain" in md and "INT8 ORT e2e" in md

@@ -85,6 +85,8 @@ class RunRecorder:
 
     def ptq(self, qmodel: nn.Module, info: QuantInfo, calibration_seconds: float, finetuning: bool) -> None:
         self.meta["calibration_seconds"] = round(calibration_seconds, 1)
+        if info.head_search:
+            self.meta["head_search"] = info.head_search
         self.finetuned = finetuning
         if self.eval_ptq:
             m, sec = self.score(qmodel, "PTQ")

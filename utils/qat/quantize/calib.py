@@ -2,7 +2,7 @@
 internals: the calibrators' histograms, and where a quantizer keeps its amax (``learned_amax``,
 ``amax_to_parameter``, ``amax_to_buffer``: a buffer, or a parameter while ``--amax-lr`` learns it).
 
-    groups = calibrate(qmodel, batches, config, num_batches=25)   # qmodel from utils.qat.quantize.model_quant.prepare
+    groups, search = calibrate(qmodel, batches, config, num_batches=25)   # qmodel from model_quant.prepare
 
 - Max calibrators (weights always; inputs with ``method="max"``): amax is the max |x| seen.
 - Histogram calibrators (percentile, mse, entropy): amax from the histogram of |x| (``histogram_amax``;
@@ -33,10 +33,13 @@ from utils.qat.progress import progress
 
 @torch.no_grad()
 def calibrate(model: nn.Module, batches: Iterable[torch.Tensor], config: QuantConfig,
-              example: torch.Tensor | None = None, num_batches: int | None = None) -> list[list[str]]:
+              example: torch.Tensor | None = None,
+              num_batches: int | None = None) -> tuple[list[list[str]], dict]:
     """Collect statistics over ``batches`` (images as float tensors on the model's device), set amax on
-    every enabled quantizer with ``config.method``, then give each shared-scale group one amax. Returns the
-    groups. ``example``: the input traced to find the groups (default: the first calibration image).
+    every enabled quantizer with ``config.method``, then give each shared-scale group one amax and, with
+    ``config.head_amax == "search"``, search the head's input scales. Returns ``(groups, head_search)``:
+    the groups, and the search's summary (``{}`` without one; see ``head_search_summary``). ``example``:
+    the input traced to find the groups (default: the first calibration image).
 
     In a multi-GPU run (process group joined) every rank calls this; rank 0 alone reads ``batches`` (the
     others' are not read) and the others receive its amax and groups (checked identical afterwards).
@@ -44,16 +47,16 @@ def calibrate(model: nn.Module, batches: Iterable[torch.Tensor], config: QuantCo
     if not distributed.active():
         return _calibrate(model, batches, config, example, num_batches)
     main = distributed.is_main()
-    groups = _calibrate(model, batches, config, example, num_batches) if main else []
-    groups, amax = distributed.broadcast_object((groups, amax_state(model) if main else {}))
+    groups, search = _calibrate(model, batches, config, example, num_batches) if main else ([], {})
+    groups, search, amax = distributed.broadcast_object((groups, search, amax_state(model) if main else {}))
     if not main:
         load_amax(model, amax)
     distributed.check_identical(amax_vector(model), "quantizer amax values after calibration")
-    return groups
+    return groups, search
 
 
 def _calibrate(model: nn.Module, batches: Iterable[torch.Tensor], config: QuantConfig,
-               example: torch.Tensor | None, num_batches: int | None) -> list[list[str]]:
+               example: torch.Tensor | None, num_batches: int | None) -> tuple[list[list[str]], dict]:
     """One process: statistics, amax per quantizer, shared scales tied.
 
     modelopt 0.47's own histogram path calls ``compute_amax()`` without the method and computes each
@@ -87,23 +90,23 @@ def _calibrate(model: nn.Module, batches: Iterable[torch.Tensor], config: QuantC
         model.train(training)
     groups = rules.scale_groups(model, example)
     rules.tie_scales(model, groups)
-    if config.head_amax == "search":
-        _search_head(model, kept, groups)
-    return groups
+    search = _search_head(model, kept, groups) if config.head_amax == "search" else {}
+    return groups, search
 
 
-def _search_head(model: nn.Module, batches: list[torch.Tensor], groups: list[list[str]]) -> None:
+def _search_head(model: nn.Module, batches: list[torch.Tensor], groups: list[list[str]]) -> dict:
     from utils.qat.quantize.head import search_head_amax
     result = search_head_amax(model, batches, groups)
     factors = result["factors"]
     if not factors:
         print("head amax search: the head has no activation scale of its own to search (kept in FP?)", flush=True)
-        return
+        return {}
     moved = sorted(f for f in factors.values() if f != 1.0)
     print(f"head amax search: {len(moved)} of {len(factors)} head input scales changed"
           + (f" (x{moved[0]:g} to x{moved[-1]:g})" if moved else "")
           + f"; head distillation loss {result['loss_before']:.4g} -> {result['loss_after']:.4g} "
           f"on {len(batches)} calibration batches", flush=True)
+    return {**result, "batches": len(batches)}
 
 
 def histogram_amax(calibrator: HistogramCalibrator, method: str, percentile: float) -> torch.Tensor:

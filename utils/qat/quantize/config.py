@@ -17,6 +17,7 @@ CALIB_METHODS = ("max", "percentile", "mse", "entropy")
 DEFAULT_CALIB_METHOD = "mse"
 DEFAULT_PERCENTILE = 99.99
 HEAD_AMAX = ("calibrated", "search")  # the detect head's input scales: as calibrated, or searched (head.py)
+DEFAULT_HEAD_AMAX = "search"  # docs/QAT.md, fourth round: GELAN-C and GELAN-S end best from the searched scales
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,7 @@ class QuantConfig:
     method: str = DEFAULT_CALIB_METHOD
     percentile: float = DEFAULT_PERCENTILE
     skip: tuple[str, ...] = ()
-    head_amax: str = HEAD_AMAX[0]
+    head_amax: str = DEFAULT_HEAD_AMAX
 
     def __post_init__(self) -> None:
         if self.method not in CALIB_METHODS:
@@ -41,21 +42,24 @@ class QuantConfig:
 @dataclass(frozen=True)
 class QuantInfo:
     """What a quantized model was made with: its settings, and what was derived from them for this model
-    (the module-name patterns kept in FP, the calibration's shared-scale groups). Travels in its checkpoint."""
+    (the module-name patterns kept in FP, the calibration's shared-scale groups, and with ``--head-amax
+    search`` what the search chose: ``{"factors": {quantizer: multiple}, "loss_before", "loss_after",
+    "batches"}``). Travels in its checkpoint."""
     config: QuantConfig = field(default_factory=QuantConfig)
     fp_patterns: list[str] = field(default_factory=list)
     scale_groups: list[list[str]] = field(default_factory=list)
+    head_search: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         """The checkpoint's ``quant`` entry (flat, as checkpoints have always stored it)."""
         return {"calib_method": self.config.method, "percentile": self.config.percentile,
                 "skip": list(self.config.skip), "head_amax": self.config.head_amax, "fp_patterns": list(self.fp_patterns),
-                "scale_groups": [list(g) for g in self.scale_groups]}
+                "scale_groups": [list(g) for g in self.scale_groups], "head_search": dict(self.head_search)}
 
     @classmethod
     def from_dict(cls, d: dict) -> QuantInfo:
         config = QuantConfig(method=d.get("calib_method", DEFAULT_CALIB_METHOD),
                              percentile=d.get("percentile", DEFAULT_PERCENTILE), skip=tuple(d.get("skip", ())),
-                             head_amax=d.get("head_amax", HEAD_AMAX[0]))
+                             head_amax=d.get("head_amax", "calibrated"))  # older checkpoints: no search
         return cls(config, fp_patterns=list(d.get("fp_patterns", ())),
-                   scale_groups=[list(g) for g in d.get("scale_groups", ())])
+                   scale_groups=[list(g) for g in d.get("scale_groups", ())], head_search=dict(d.get("head_search", {})))

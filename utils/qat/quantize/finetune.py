@@ -28,8 +28,9 @@ OPTIMIZERS = ("adamw", "adam", "sgd")
 
 @dataclass
 class QATConfig:
-    """How fine-tuning runs. The defaults are the recipe measured best by ``benchmarks/qat_recipes.py``."""
-    epochs: int = 3
+    """How fine-tuning runs. The defaults are the recipe measured best (docs/QAT.md: ``benchmarks/qat_recipes.py``
+    and ``benchmarks/reference.py`` on GELAN-C and GELAN-S; it is meant to run with ``--hyp``'s augmentation)."""
+    epochs: int = 5
     iters: int = 100  # optimisation steps per epoch
     lr: float = 3e-5
     objective: str = objectives.DEFAULT_OBJECTIVE
@@ -39,7 +40,7 @@ class QATConfig:
     final_lr_ratio: float = 0.01
     supervision_stride: int = 1  # ``features`` / ``mse``: every N-th block output (plus the last)
     ema: float = 0.99  # decay of an exponential moving average of the weights (0: off); evaluated and kept
-    amax_lr: float = 0.0  # learn activation amax (LSQ) at this rate relative to each amax; 0: calibrated amax kept
+    amax_lr: float = 1e-3  # learn activation amax (LSQ) at this rate relative to each amax; 0: calibrated amax kept
     bias_lr: float = 1.0  # the biases' learning rate is lr times this
     box_gain: float = 1.0  # weight of the head objective's box term (head.box)
 

@@ -6,7 +6,7 @@ Public surface::
     qmodel, info = quantize(fp_model, batches, config)   # prepare, then calibrate: a calibrated fused copy
 
     qmodel, info = prepare(fp_model, config)            # the two steps: a fused copy with Q/DQ placed,
-    groups = calibrate(qmodel, batches, config)         # then amax for every enabled quantizer
+    groups, search = calibrate(qmodel, batches, config) # then amax for every enabled quantizer
 
 ``QuantConfig`` and ``QuantInfo`` (the settings, and the record a checkpoint carries) live in
 ``utils/qat/quantize/config.py``, importable without modelopt. Where each part lives: placement and shared
@@ -88,5 +88,5 @@ def quantize(model: nn.Module, batches: Iterable[torch.Tensor], config: QuantCon
     qmodel, info = prepare(model, config)
     if device is not None:
         qmodel.to(device)
-    groups = calibrate(qmodel, batches, config, example=example, num_batches=num_batches)
-    return qmodel, dataclasses.replace(info, scale_groups=groups)
+    groups, search = calibrate(qmodel, batches, config, example=example, num_batches=num_batches)
+    return qmodel, dataclasses.replace(info, scale_groups=groups, head_search=search)
