@@ -56,7 +56,7 @@ def qat_ckpt(yolov9_tree, work, gelan_c, shared):
     from utils.qat import checkpoint
     fp = checkpoint.load_fp(gelan_c)
     calib = real_images(shared / "datasets" / "coco369" / "images" / "train2017", 4, IMGSZ)
-    qmodel, info = quantize(fp, [calib[:2], calib[2:]], QuantConfig(method="max"), example=calib[:1])
+    qmodel, info = quantize(fp, [calib[:2], calib[2:]], QuantConfig(method="max", head_amax="calibrated"), example=calib[:1])
     qmodel.names = fp.names
     return checkpoint.save_quantized(work / "qat_gelan-c.pt", qmodel, info)
 

@@ -30,7 +30,7 @@ def qs(yolov9_tree):
 @pytest.fixture(scope="module")
 def qs_calibrated(qs, images):
     from utils.qat.quantize.model_quant import QuantConfig, quantize
-    qmodel, info = quantize(qs, [images[:2], images[2:]], QuantConfig(method="max"))
+    qmodel, info = quantize(qs, [images[:2], images[2:]], QuantConfig(method="max", head_amax="calibrated"))
     qmodel.names = qs.names
     return qmodel, info
 

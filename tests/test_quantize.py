@@ -35,7 +35,7 @@ def gelan_c_fp(yolov9_tree, gelan_c):
 @pytest.fixture(scope="module")
 def gelan_c_q(gelan_c_fp, calib_images):
     from utils.qat.quantize.model_quant import QuantConfig, quantize
-    qmodel, info = quantize(gelan_c_fp, [calib_images[:2], calib_images[2:]], QuantConfig(method="max"),
+    qmodel, info = quantize(gelan_c_fp, [calib_images[:2], calib_images[2:]], QuantConfig(method="max", head_amax="calibrated"),
                             example=calib_images[:1])
     qmodel.names = gelan_c_fp.names
     return qmodel, info
@@ -178,7 +178,7 @@ def test_skip_layers_leave_no_qdq(gelan_c_fp, calib_images, tmp_path):
     from utils.qat.quantize.model_quant import QuantConfig, quantize
     from utils.qat.onnx_export import export_onnx
     from utils.qat.onnx_qdq import lint
-    qmodel, info = quantize(gelan_c_fp, [calib_images[:2]], QuantConfig(method="max", skip=("22", "model.15.cv4*")),
+    qmodel, info = quantize(gelan_c_fp, [calib_images[:2]], QuantConfig(method="max", skip=("22", "model.15.cv4*"), head_amax="calibrated"),
                             example=calib_images[:1])
     enabled = [n for n, q in _quantizers(qmodel).items() if q.is_enabled]
     assert not [n for n in enabled if n.startswith("model.22.") or n.startswith("model.15.cv4")]
@@ -259,7 +259,7 @@ def test_calibration_methods(yolov9_tree, shared, method):
     from utils.qat.quantize.model_quant import QuantConfig, quantize
     model = build(MINI if method == "entropy" else TINY_GELAN)
     x = real_images(shared / "datasets" / "coco369" / "images" / "train2017", 2, 64)
-    qmodel, info = quantize(model, [x], QuantConfig(method=method), example=x[:1])
+    qmodel, info = quantize(model, [x], QuantConfig(method=method, head_amax="calibrated"), example=x[:1])
     amax = [float(q.amax.max()) for n, q in _quantizers(qmodel).items() if q.is_enabled and "input" in n]
     assert all(np.isfinite(amax)) and min(amax) > 0
     with torch.no_grad():
@@ -273,7 +273,7 @@ def test_unknown_method_and_double_quantize(yolov9_tree):
     model = build(TINY_GELAN)
     with pytest.raises(QATError, match="unknown calibration method"):
         QuantConfig(method="minmax")
-    qmodel, info = prepare(model, QuantConfig(method="max"))
+    qmodel, info = prepare(model, QuantConfig(method="max", head_amax="calibrated"))
     assert info.scale_groups == [] and info.config.method == "max"  # groups come from calibration
     with pytest.raises(QATError, match="already quantized"):
         prepare(qmodel)
@@ -332,7 +332,7 @@ def test_activation_variants_quantize_and_export(yolov9_tree, shared, act, tmp_p
     torch.manual_seed(0)  # a randomly initialised model: the same one whatever ran before
     model = ACTIVATIONS[act]()
     x = real_images(shared / "datasets" / "coco369" / "images" / "train2017", 2, 64)
-    qmodel, info = quantize(model, [x], QuantConfig(method="max"), example=x[:1])
+    qmodel, info = quantize(model, [x], QuantConfig(method="max", head_amax="calibrated"), example=x[:1])
     if act == "FReLU":  # FReLU's own depthwise conv is quantized too
         assert any(n.endswith("act.conv") and m.weight_quantizer.is_enabled for n, m in qmodel.named_modules()
                    if hasattr(m, "weight_quantizer"))
@@ -365,7 +365,7 @@ def test_lint_clean_on_every_size(yolov9_tree, shared, cfg, tmp_path):
     from utils.qat.onnx_qdq import lint
     model = build(yolov9_tree / "models" / "detect" / f"{cfg}.yaml", nc=80)
     x = real_images(shared / "datasets" / "coco369" / "images" / "train2017", 1, 64)
-    qmodel, info = quantize(model, [x], QuantConfig(method="max"), example=x)
+    qmodel, info = quantize(model, [x], QuantConfig(method="max", head_amax="calibrated"), example=x)
     out = tmp_path / f"{cfg}.onnx"
     export_onnx(qmodel, out, imgsz=(64, 64), metadata={})
     report = lint(out)
@@ -429,7 +429,7 @@ def test_lint_clean_on_segmentation_models(yolov9_tree, shared, cfg, tmp_path):
     model.names = {i: str(i) for i in range(80)}
     reinit(model)
     x = real_images(shared / "datasets" / "coco369" / "images" / "train2017", 1, 64)
-    qmodel, info = quantize(model, [x], QuantConfig(method="max"), example=x)
+    qmodel, info = quantize(model, [x], QuantConfig(method="max", head_amax="calibrated"), example=x)
     out = tmp_path / f"{cfg}.onnx"
     export_onnx(qmodel, out, imgsz=(64, 64), task="segment", metadata={})
     report = lint(out)

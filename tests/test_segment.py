@@ -266,7 +266,8 @@ def test_qat_seg_export_and_onnxruntime(yolov9_tree, seg_shapes, seg_run, tmp_pa
 def test_qat_seg_sensitive(yolov9_tree, seg_shapes, tmp_path):
     r = run_tool(yolov9_tree, "segment/qat_seg.py", "sensitive", "--weights", str(SEG), "--data", str(seg_shapes),
                  "--device", "cpu", "--imgsz", IMGSZ, "--batch-size", "8", "--num-image", "4", "--calib-batches", "1",
-                 "--calib-method", "max", "--project", str(tmp_path), "--name", "a", "--workers", "2")
+                 "--calib-method", "max", "--head-amax", "calibrated", "--project", str(tmp_path), "--name", "a",
+                 "--workers", "2")
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((tmp_path / "a" / "summary-sensitive-analysis.json").read_text())
     assert summary["task"] == "segment" and summary["num_image"] == 4 and 0 < summary["ptq_box_AP"] <= 1

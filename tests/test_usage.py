@@ -106,7 +106,8 @@ def reference_tree(yolov9_tree, tmp_path_factory):
     from utils.qat import checkpoint
     fp = checkpoint.load_fp(QS)
     # a quick PTQ stands in for the reference's quantize run
-    qmodel, info = quantize(fp, [real_images(root / "shapes" / "images" / "train", 8, 128)], QuantConfig(method="max"))
+    qmodel, info = quantize(fp, [real_images(root / "shapes" / "images" / "train", 8, 128)],
+                            QuantConfig(method="max", head_amax="calibrated"))
     qmodel.names = fp.names
     checkpoint.save_quantized(tree / "runs/qat/yolov9_qat/weights/qat_best_yolov9-c-converted.pt", qmodel, info)
     return tree
