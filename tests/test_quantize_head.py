@@ -23,7 +23,7 @@ def images(shared):
 def calibrated(yolov9_tree, images):
     from utils.qat.quantize.model_quant import QuantConfig, quantize
     from utils.qat import checkpoint
-    return quantize(checkpoint.load_fp(QS), [images], QuantConfig(method="max"))
+    return quantize(checkpoint.load_fp(QS), [images], QuantConfig(method="max", head_amax="calibrated"))
 
 
 def _amax(model) -> dict[str, torch.Tensor]:
@@ -67,7 +67,25 @@ def test_head_in_fp_has_nothing_to_search(yolov9_tree, images, capsys):
     fp = checkpoint.load_fp(QS)
     qmodel, info = quantize(fp, [images], QuantConfig(method="max", skip=(str(len(fp.model) - 1),), head_amax="search"))
     assert "the head has no activation scale of its own to search" in capsys.readouterr().out
-    assert info.to_dict()["head_amax"] == "search"
+    assert info.to_dict()["head_amax"] == "search" and info.head_search == {}
+
+
+def test_the_default_searches_and_records_its_choice(yolov9_tree, images, capsys):
+    """quantize() with the default config searches the head's scales; what it chose travels in QuantInfo (and so in
+    checkpoints and report.json), the factors being the ones the amax moved by."""
+    from utils.qat.quantize.model_quant import QuantConfig, quantize
+    from utils.qat.quantize.config import QuantInfo
+    from utils.qat import checkpoint
+    fp = checkpoint.load_fp(QS)
+    plain, _ = quantize(fp, [images], QuantConfig(method="max", head_amax="calibrated"))
+    qmodel, info = quantize(fp, [images], QuantConfig(method="max"))
+    assert info.config.head_amax == "search" and "head amax search:" in capsys.readouterr().out
+    record = info.head_search
+    assert record["batches"] == 1 and record["loss_after"] <= record["loss_before"] and record["factors"]
+    before, after = _amax(plain), _amax(qmodel)
+    for name, factor in record["factors"].items():
+        torch.testing.assert_close(after[name], before[name] * factor)
+    assert QuantInfo.from_dict(info.to_dict()).head_search == record
 
 
 def test_config_checks_and_records_the_choice():

@@ -38,7 +38,8 @@ def calibrate(model: nn.Module, batches: Iterable[torch.Tensor], config: QuantCo
     """Collect statistics over ``batches`` (images as float tensors on the model's device), set amax on
     every enabled quantizer with ``config.method``, then give each shared-scale group one amax and, with
     ``config.head_amax == "search"``, search the head's input scales. Returns ``(groups, head_search)``:
-    the groups, and the search's summary (``{}`` without one; see ``head_search_summary``). ``example``:
+    the groups, and the search's summary (``{}`` without one; else ``factors``, ``loss_before``,
+    ``loss_after``, ``batches``: ``QuantInfo.head_search``). ``example``:
     the input traced to find the groups (default: the first calibration image).
 
     In a multi-GPU run (process group joined) every rank calls this; rank 0 alone reads ``batches`` (the
