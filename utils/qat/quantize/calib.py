@@ -25,6 +25,7 @@ from torch import nn
 
 from utils.qat.quantize import rules
 from utils.qat.quantize.config import QuantConfig
+from utils.qat.quantize.head import SEARCH_BATCHES, search_head_amax
 from utils.qat.quantize.state import amax_state, amax_vector, collecting, enabled_quantizers, load_amax
 from utils.qat import distributed
 from utils.qat.errors import QATError
@@ -63,7 +64,6 @@ def _calibrate(model: nn.Module, batches: Iterable[torch.Tensor], config: QuantC
     modelopt 0.47's own histogram path calls ``compute_amax()`` without the method and computes each
     histogram amax twice; calibration is driven here instead: one pass, one ``compute_amax`` per quantizer.
     """
-    from utils.qat.quantize.head import SEARCH_BATCHES
     quantizers = enabled_quantizers(model)
     training = model.training
     model.eval()
@@ -91,23 +91,8 @@ def _calibrate(model: nn.Module, batches: Iterable[torch.Tensor], config: QuantC
         model.train(training)
     groups = rules.scale_groups(model, example)
     rules.tie_scales(model, groups)
-    search = _search_head(model, kept, groups) if config.head_amax == "search" else {}
+    search = search_head_amax(model, kept, groups) if config.head_amax == "search" else {}
     return groups, search
-
-
-def _search_head(model: nn.Module, batches: list[torch.Tensor], groups: list[list[str]]) -> dict:
-    from utils.qat.quantize.head import search_head_amax
-    result = search_head_amax(model, batches, groups)
-    factors = result["factors"]
-    if not factors:
-        print("head amax search: the head has no activation scale of its own to search (kept in FP?)", flush=True)
-        return {}
-    moved = sorted(f for f in factors.values() if f != 1.0)
-    print(f"head amax search: {len(moved)} of {len(factors)} head input scales changed"
-          + (f" (x{moved[0]:g} to x{moved[-1]:g})" if moved else "")
-          + f"; head distillation loss {result['loss_before']:.4g} -> {result['loss_after']:.4g} "
-          f"on {len(batches)} calibration batches", flush=True)
-    return {**result, "batches": len(batches)}
 
 
 def histogram_amax(calibrator: HistogramCalibrator, method: str, percentile: float) -> torch.Tensor:

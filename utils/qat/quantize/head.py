@@ -77,13 +77,15 @@ def searchable(model: nn.Module, groups: Sequence[Sequence[str]]) -> list[list[s
 def search_head_amax(model: nn.Module, batches: Iterable[torch.Tensor], groups: Sequence[Sequence[str]],
                      factors: Sequence[float] = FACTORS) -> dict:
     """Set each searchable head input amax to the multiple of its calibrated value (one of ``factors``) that
-    gives the lowest head distillation loss over ``batches``. Returns ``{"factors": {first name of each unit:
-    factor}, "loss_before": ..., "loss_after": ...}`` (empty factors when the head has nothing to search)."""
+    gives the lowest head distillation loss over ``batches``, and print one line saying what moved. Returns
+    the record ``QuantInfo.head_search`` keeps: ``{"factors": {first name of each unit: factor}, "loss_before",
+    "loss_after", "batches"}`` (``{}`` when the head has nothing to search, e.g. it is kept in FP)."""
     from utils.qat.quantize.objectives import head_distillation
     head = model.model[-1]
     units = searchable(model, groups)
     if not units:
-        return {"factors": {}}
+        print("head amax search: the head has no activation scale of its own to search (kept in FP?)", flush=True)
+        return {}
     modules = dict(model.named_modules())
     everything = enabled_quantizers(model)
     training = model.training
@@ -124,4 +126,8 @@ def search_head_amax(model: nn.Module, batches: Iterable[torch.Tensor], groups: 
             chosen[unit[0]] = best
     finally:
         model.train(training)
-    return {"factors": chosen, "loss_before": before, "loss_after": best_loss}
+    moved = sorted(f for f in chosen.values() if f != 1.0)
+    print(f"head amax search: {len(moved)} of {len(chosen)} head input scales changed"
+          + (f" (x{moved[0]:g} to x{moved[-1]:g})" if moved else "")
+          + f"; head distillation loss {before:.4g} -> {best_loss:.4g} on {len(cached)} calibration batches", flush=True)
+    return {"factors": chosen, "loss_before": before, "loss_after": best_loss, "batches": len(cached)}
