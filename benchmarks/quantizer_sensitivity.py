@@ -33,7 +33,7 @@ from utils.qat.atomic import write_text  # noqa: E402
 from utils.qat.data import load_data_yaml  # noqa: E402
 from utils.qat.device import select_device  # noqa: E402
 from utils.qat.pipeline import Evaluation, ptq  # noqa: E402
-from utils.qat.quantize.config import DEFAULT_CALIB_METHOD, QuantConfig  # noqa: E402
+from utils.qat.quantize.config import DEFAULT_CALIB_METHOD, HEAD_AMAX, QuantConfig  # noqa: E402
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -48,6 +48,9 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--calib-method", default=DEFAULT_CALIB_METHOD)
     p.add_argument("--calib-batches", type=int, default=25)
+    p.add_argument("--head-amax", choices=HEAD_AMAX, default="calibrated",
+                   help="the head's input scales (qat.py's flag); calibrated by default: the question is where "
+                        "calibration's INT8 loss sits (benchmarks/results/quantizer-sensitivity-gelan-c-h100.md)")
     p.add_argument("--out", required=True)
     return p
 
@@ -93,10 +96,10 @@ def main(args) -> dict:
     score = Evaluation(data, imgsz=args.imgsz, batch_size=args.batch_size, device=device, workers=args.workers)
     index = args.layer % len(fp.model)
     results: dict = {"weights": Path(args.weights).name, "layer": index, "module": type(fp.model[index]).__name__,
-                     "calib_method": args.calib_method, "groups": [],
+                     "calib_method": args.calib_method, "head_amax": args.head_amax, "groups": [],
                      "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"}
     results["origin"] = score(fuse(copy.deepcopy(fp)), "Origin")[0].mAP50_95
-    qmodel, _ = ptq(fp, data, QuantConfig(method=args.calib_method), imgsz=args.imgsz, batch_size=args.batch_size,
+    qmodel, _ = ptq(fp, data, QuantConfig(method=args.calib_method, head_amax=args.head_amax), imgsz=args.imgsz, batch_size=args.batch_size,
                     device=device, calib_batches=args.calib_batches, workers=args.workers)
     results["ptq"] = score(qmodel, "PTQ")[0].mAP50_95
     for name, qs in quantizer_groups(qmodel.model[index], f"model.{index}", args.per_level).items():
