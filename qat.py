@@ -85,6 +85,9 @@ def _finetuning(p: argparse.ArgumentParser) -> None:
     p.add_argument("--box-gain", type=float, default=d.box_gain,
                    help="--qat-loss head: weight of the box-distribution term against the class term "
                         "(default: %(default)s)")
+    p.add_argument("--mask-gain", type=float, default=d.mask_gain,
+                   help="--qat-loss head, segmentation: weight of the mask coefficient and prototype term "
+                        "(default: %(default)s)")
 
 
 def qat_config(args) -> QATConfig:
@@ -93,7 +96,7 @@ def qat_config(args) -> QATConfig:
     return QATConfig(epochs=args.epochs, iters=args.iters, lr=args.lr, objective=args.qat_loss,
                      optimizer=args.optimizer, weight_decay=args.weight_decay, warmup=args.warmup,
                      ema=args.ema, supervision_stride=args.supervision_stride, amax_lr=args.amax_lr,
-                     bias_lr=args.bias_lr, box_gain=args.box_gain)
+                     bias_lr=args.bias_lr, box_gain=args.box_gain, mask_gain=args.mask_gain)
 
 
 SCRIPTS = {"detect": "qat.py", "segment": "segment/qat_seg.py"}

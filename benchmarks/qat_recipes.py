@@ -8,7 +8,7 @@ Run from the top of a patched YOLOv9 tree:
         --out runs/recipes/gelan-c --recipes 'mse:lr=1e-5,optimizer=adam,warmup=0' 'head' 'head:lr=3e-5'
 
 A recipe is ``OBJECTIVE[:key=value,...]`` with keys of ``QATConfig`` (lr, optimizer, weight_decay, warmup,
-final_lr_ratio, supervision_stride, ema, amax_lr, bias_lr, box_gain; epochs and iters come from --epochs /
+final_lr_ratio, supervision_stride, ema, amax_lr, bias_lr, box_gain, mask_gain; epochs and iters come from --epochs /
 --iters unless given).
 
 Besides mAP, each epoch reports the ``head`` distillation loss measured on the evaluation images

@@ -143,6 +143,27 @@ def test_every_objective_trains_and_reports_its_terms(qs, qs_calibrated, images)
         finetune(copy.deepcopy(qmodel), teacher, lambda: [images[:2]], QATConfig(epochs=1, iters=1, objective="task"))
 
 
+def test_gains_weight_their_head_terms(yolov9_tree, images):
+    """``box_gain`` and ``mask_gain`` multiply the head objective's box and masks terms and nothing else (on
+    the embedded GELAN-QS-seg: the first step's terms, before any update, from one calibrated start)."""
+    from utils.qat import checkpoint
+    from utils.qat.quantize.model_quant import QuantConfig, fuse, quantize
+    from utils.qat.quantize.finetune import QATConfig, finetune
+    seg = checkpoint.load_fp(REPO / "weights" / "gelan-qs-seg-shapes.pt", task="segment")
+    qmodel, _ = quantize(seg, [images], QuantConfig(method="max", head_amax="calibrated"))
+    teacher = fuse(copy.deepcopy(seg))
+    terms = {}
+    for gains in ((1.0, 1.0), (2.0, 5.0)):
+        config = QATConfig(epochs=1, iters=1, ema=0, amax_lr=0, box_gain=gains[0], mask_gain=gains[1])
+        [result] = finetune(copy.deepcopy(qmodel), teacher, lambda: [images], config)
+        terms[gains] = result.terms
+    plain, weighted = terms[(1.0, 1.0)], terms[(2.0, 5.0)]  # each term kept to 6 decimals
+    assert set(plain) == {"head.cls", "head.box", "head.masks"} and min(plain.values()) > 0
+    assert weighted["head.cls"] == pytest.approx(plain["head.cls"], rel=1e-3)
+    assert weighted["head.box"] == pytest.approx(2 * plain["head.box"], rel=1e-3)
+    assert weighted["head.masks"] == pytest.approx(5 * plain["head.masks"], rel=1e-3)
+
+
 @pytest.mark.slow
 def test_iters_are_steps_and_a_short_set_is_read_again(qs, qs_calibrated, images, capsys):
     from utils.qat.quantize.model_quant import fuse

@@ -43,6 +43,7 @@ class QATConfig:
     amax_lr: float = 1e-3  # learn activation amax (LSQ) at this rate relative to each amax; 0: calibrated amax kept
     bias_lr: float = 1.0  # the biases' learning rate is lr times this
     box_gain: float = 1.0  # weight of the head objective's box term (head.box)
+    mask_gain: float = 5.0  # weight of its masks term (head.masks: segmentation heads only; docs/QAT.md, fifth round)
 
 
 @dataclass
@@ -211,6 +212,8 @@ def finetune(model: nn.Module, teacher: nn.Module, batches: Callable[[], Iterabl
                     if term == "head":
                         parts = objectives.head_distillation(s_out, t_out, head.reg_max, head.nc)
                         parts["box"] = parts["box"] * config.box_gain
+                        if "masks" in parts:
+                            parts["masks"] = parts["masks"] * config.mask_gain
                         values.update({f"head.{k}": v for k, v in parts.items()})
                     elif term == "features":
                         values[term] = objectives.feature_distillation(student_taps.outputs, teacher_taps.outputs, tapped)
