@@ -28,7 +28,7 @@ options:
                 lines when torch is installed, and without opencv-python: opencv-python-headless
                 provides cv2)
   --dev         also install what the tests need ($HERE/requirements-dev.txt: pytest,
-                mypy, ruff) and $TRT_STUBS (type stubs for the TensorRT check; installed with --no-deps:
+                pytest-xdist, mypy, ruff) and $TRT_STUBS (type stubs for the TensorRT check; installed with --no-deps:
                 it declares a dependency on tensorrt, which installs only on GPU hosts)
   --tensorrt    also install the TensorRT Python wheels matching the CUDA of the installed torch
                 (tensorrt-cu12, tensorrt-cu13, ... from $NVIDIA_INDEX), unless TensorRT is

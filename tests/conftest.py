@@ -45,6 +45,14 @@ def pytest_configure(config):
     resolves inside the patched tree (never the repository's own ``utils/``, which lacks upstream's)."""
     global _TREE
     import tempfile
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # one of several test processes (pytest -n N): one CPU thread each, for it and the CLIs it launches,
+        # so that N processes share the cores instead of N x cores threads competing for them
+        os.environ["OMP_NUM_THREADS"] = "1"
+        import torch
+        torch.set_num_threads(1)
+    elif getattr(config.option, "numprocesses", None):
+        return  # the controller of pytest -n N runs no test: its workers patch their own trees
     # setuptools now, as every CLI process imports it (torch.utils.cpp_extension does): setuptools' distutils
     # hack stands aside for good once something looks pip up (tests/test_installer.py does), and a first
     # `import setuptools` after that fails its own check, in whichever in-process CLI test comes next.

@@ -325,7 +325,7 @@ def _readme_test_lines() -> list[str]:
 def test_ci_runs_readme_test_command_exactly():
     export, line = _readme_test_lines()
     assert export.startswith("export YOLOV9_DIR=")
-    assert "./install_dependencies.sh --dev" in line and line.endswith("python3 -m pytest tests -q -rs")
+    assert "./install_dependencies.sh --dev" in line and line.endswith("python3 -m pytest tests -q -rs -n auto --maxprocesses 4 --dist loadfile")
     ci = (REPO / ".ci" / "run").read_text()
     assert f"readme_tests='{line}'" in ci
     assert 'bash -c "$readme_tests"' in ci and "export YOLOV9_DIR" in ci
