@@ -37,6 +37,7 @@ OUT_OF_RANGE = [
     ("qat.py", "sensitive --top 0", "--top 0 is out of range"),
     ("qat.py", "eval --conf-thres 2", "--conf-thres 2 is out of range"),
     ("segment/qat_seg.py", "quantize --batch-size -4", "--batch-size -4 is out of range"),
+    ("segment/qat_seg.py", "quantize --mask-gain -1", "--mask-gain -1 is out of range"),
     ("export_qat.py", "--imgsz 640 0", "--imgsz 0 is out of range"),
     ("export_qat.py", "--batch-size 0", "--batch-size 0 is out of range"),
     ("export_qat.py", "--opset 12", "--opset 12 is out of range: it must be between 13 and 20"),

@@ -82,6 +82,7 @@ FLAGS: dict[str, Range] = {
     "--amax-lr": Range(0, 1, hint="0 keeps the calibrated amax; e.g. 1e-3"),
     "--bias-lr": Range(0, 1000, low_open=True, hint="1 = the same rate as the weights"),
     "--box-gain": Range(0, 1000, hint="e.g. 1"),
+    "--mask-gain": Range(0, 1000, hint="e.g. 5"),
     "--top": Range(1),
     # ONNX export (INT8 per-channel Q/DQ needs opset 13; torch's TorchScript exporter stops at 20)
     "--opset": Range(13, 20, hint="e.g. 17"),
