@@ -57,8 +57,8 @@ DATA=$WORK/shapes/shapes.yaml
 
 cd "$TREE"
 say "4/6 PTQ calibration + QAT ($EPOCHS epoch(s) x $ITERS batches) of the embedded model, evaluated at each stage"
-# The embedded model keeps its calibrated head scales and amax: on the synthetic shapes the head search and learned
-# amax (the defaults, chosen on GELAN-C/S) measured worse (docs/QAT.md, fourth round), and a CPU run is short.
+# The embedded model keeps its calibrated head scales and amax: the defaults (head search, learned amax) start
+# lower and gain back over a full GPU run (docs/QAT.md, fifth round); a few CPU steps are too short for that.
 "$PY" qat.py quantize --weights "$WEIGHTS" --data "$DATA" --hyp data/hyps/hyp.scratch-high.yaml \
     --head-amax calibrated --amax-lr 0 --imgsz $IMGSZ --batch-size 16 --device "$DEVICE" --workers 2 --calib-batches 8 --calib-method percentile \
     --epochs "$EPOCHS" --iters "$ITERS" --project "$WORK/runs" --name quickstart --exist-ok

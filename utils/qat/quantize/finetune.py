@@ -152,6 +152,7 @@ def finetune(model: nn.Module, teacher: nn.Module, batches: Callable[[], Iterabl
     """
     config = config or QATConfig()
     terms = objectives.parse(config.objective)
+    gains = {"box": config.box_gain, "masks": config.mask_gain}  # weights of the head objective's terms (cls: 1)
     device = torch.device(device)
     amp = device.type == "cuda" if amp is None else amp
     teacher = teacher.to(device).eval()
@@ -211,10 +212,7 @@ def finetune(model: nn.Module, teacher: nn.Module, batches: Callable[[], Iterabl
                 for term in terms:
                     if term == "head":
                         parts = objectives.head_distillation(s_out, t_out, head.reg_max, head.nc)
-                        parts["box"] = parts["box"] * config.box_gain
-                        if "masks" in parts:
-                            parts["masks"] = parts["masks"] * config.mask_gain
-                        values.update({f"head.{k}": v for k, v in parts.items()})
+                        values.update({f"head.{k}": v * gains.get(k, 1.0) for k, v in parts.items()})
                     elif term == "features":
                         values[term] = objectives.feature_distillation(student_taps.outputs, teacher_taps.outputs, tapped)
                     elif term == "mse":
