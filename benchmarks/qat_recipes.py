@@ -8,8 +8,11 @@ Run from the top of a patched YOLOv9 tree:
         --out runs/recipes/gelan-c --recipes 'mse:lr=1e-5,optimizer=adam,warmup=0' 'head' 'head:lr=3e-5'
 
 A recipe is ``OBJECTIVE[:key=value,...]`` with keys of ``QATConfig`` (lr, optimizer, weight_decay, warmup,
-final_lr_ratio, supervision_stride, ema, amax_lr, bias_lr, box_gain, mask_gain; epochs and iters come from --epochs /
+final_lr_ratio, supervision_stride, ema, amax_lr, bias_lr, box_gain, mask_gain, mask_term; epochs and iters come from --epochs /
 --iters unless given).
+
+Segmentation models (``--task segment``) are ranked by mask mAP50-95, as ``segment/qat_seg.py`` ranks them;
+each epoch keeps the box mAP50-95 beside it.
 
 Besides mAP, each epoch reports the ``head`` distillation loss measured on the evaluation images
 ("held-out loss"): whether what fine-tuning learns on the training images carries over to the images
@@ -55,7 +58,7 @@ def parse_recipe(text: str, epochs: int, iters: int) -> QATConfig:
         key, _, value = item.partition("=")
         if key not in fields:
             raise QATError(f"recipe '{text}': unknown setting '{key}'; use one of {', '.join(fields)}.")
-        values[key] = value if key in ("objective", "optimizer") else (int(value) if fields[key] == "int" else float(value))
+        values[key] = value if key in ("objective", "optimizer", "mask_term") else (int(value) if fields[key] == "int" else float(value))
     return QATConfig(**values)
 
 
@@ -63,6 +66,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--weights", required=True)
     p.add_argument("--data", required=True)
+    p.add_argument("--task", choices=("detect", "segment"), default="detect", help="segment: rank by mask mAP")
     p.add_argument("--imgsz", type=int, default=640)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--device", default="")
@@ -101,7 +105,8 @@ def heldout_loss(student, teacher, loader, device) -> float:
 
 def render(results: dict) -> str:
     origin, ptq = results.get("origin"), results.get("ptq")
-    lines = [f"# QAT recipes: {results['weights']}", "",
+    metric = "mask mAP50-95" if results.get("task") == "segment" else "mAP50-95"
+    lines = [f"# QAT recipes: {results['weights']} (AP: {metric})", "",
              f"Origin {origin:.4f}, PTQ ({results['calib_method']}, head amax {results.get('head_amax', 'calibrated')}) "
              f"{ptq:.4f} (held-out loss "
              f"{results.get(HELDOUT, float('nan')):.4g}); augmentation during fine-tuning: "
@@ -127,17 +132,19 @@ def main(args) -> dict:
     device = select_device(args.device)
     data = load_data_yaml(args.data, splits=("train", "val"))
     hyp = load_hyp(args.hyp)
-    fp = checkpoint.load_fp(args.weights)
+    fp = checkpoint.load_fp(args.weights, task=args.task)
     stride = int(fp.stride.max())
     common = dict(imgsz=args.imgsz, batch_size=args.batch_size, workers=args.workers)
-    results: dict = {"weights": Path(args.weights).name, "calib_method": args.calib_method, "head_amax": args.head_amax, "hyp": args.hyp, "recipes": [],
+    scored = dict(common, task=args.task)
+    backend = lambda model: TorchBackend(model, device, task=args.task)  # noqa: E731
+    results: dict = {"weights": Path(args.weights).name, "task": args.task, "calib_method": args.calib_method, "head_amax": args.head_amax, "hyp": args.hyp, "recipes": [],
                      "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"}
     save = lambda: (write_text(out / "results.json", json.dumps(results, indent=2)),  # noqa: E731
                     write_text(out / "results.md", render(results)))
-    results["origin"] = evaluate(TorchBackend(fuse(copy.deepcopy(fp)), device), data, desc="Origin", **common).mAP50_95
+    results["origin"] = evaluate(backend(fuse(copy.deepcopy(fp))), data, desc="Origin", **scored).mAP50_95
     qmodel, info = ptq(fp, data, QuantConfig(method=args.calib_method, head_amax=args.head_amax), calib_batches=args.calib_batches, device=device,
                        **common)
-    results["ptq"] = evaluate(TorchBackend(qmodel, device), data, desc="PTQ", **common).mAP50_95
+    results["ptq"] = evaluate(backend(qmodel), data, desc="PTQ", **scored).mAP50_95
     teacher = fuse(copy.deepcopy(fp)).to(device)
     val, _ = dataloader(data, "val", args.imgsz, args.batch_size, stride, workers=args.workers, prefix="held-out: ")
     results[HELDOUT] = heldout_loss(qmodel, teacher, val, device)
@@ -149,14 +156,16 @@ def main(args) -> dict:
         results["recipes"].append(record)
 
         def epoch_end(result, student=student, record=record):
-            m = evaluate(TorchBackend(student, device), data, desc=f"{text} epoch {result.epoch + 1}", **common)
+            m = evaluate(backend(student), data, desc=f"{text} epoch {result.epoch + 1}", **scored)
             record["epochs"].append({"epoch": result.epoch + 1, "AP": round(m.mAP50_95, 4), "AP50": round(m.mAP50, 4),
+                                     "box_AP": round(m.box.mAP50_95, 4),
                                      "loss": result.loss, "terms": result.terms, "seconds": round(result.seconds, 1),
                                      HELDOUT: heldout_loss(student, teacher, val, device), "amax": result.amax})
             save()
 
         start = time.time()
-        finetune_stage(student, fp, info, data, config, device=device, hyp=hyp, on_epoch_end=epoch_end, **common)
+        finetune_stage(student, fp, info, data, config, device=device, hyp=hyp, seed=args.seed, on_epoch_end=epoch_end,
+                       **scored)
         record["seconds"] = round(time.time() - start, 1)
         save()
         del student
