@@ -46,14 +46,18 @@ def _calibration(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calib-method", choices=CALIB_METHODS, default=DEFAULT_CALIB_METHOD,
                    help="activation calibration (weights are always per-channel max)")
     p.add_argument("--percentile", type=float, default=DEFAULT_PERCENTILE, help="for --calib-method percentile")
-    p.add_argument("--calib-batches", type=int, default=25, help="training-set batches used for calibration")
+    p.add_argument("--calib-batches", type=int, default=25,
+                   help="calibration batches: the first N of the training split, unaugmented (a few images with far "
+                        "larger activations than the rest can cost more than they teach: docs/QAT.md, sixth round)")
     p.add_argument("--head-amax", choices=HEAD_AMAX, default=DEFAULT_HEAD_AMAX,
                    help="the detect head's input scales: as calibrated, or searched after calibration for the "
                         "lowest error of the head's outputs against the FP head (a few seconds on a GPU)")
     p.add_argument("--hyp", default=None,
                    help="hyperparameter yaml for QAT-time augmentation, e.g. data/hyps/hyp.scratch-high.yaml (the "
                         "default recipe was measured with it; without it fine-tuning sees the images unaugmented)")
-    p.add_argument("--seed", type=int, default=57)
+    p.add_argument("--seed", type=int, default=57,
+                   help="seeds the fine-tuning: the order of the training images and the random streams of their "
+                        "augmentation (runs with the same seed and --workers repeat; docs/QAT.md, sixth round)")
 
 
 def _finetuning(p: argparse.ArgumentParser) -> None:

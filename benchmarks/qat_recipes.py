@@ -8,7 +8,7 @@ Run from the top of a patched YOLOv9 tree:
         --out runs/recipes/gelan-c --recipes 'mse:lr=1e-5,optimizer=adam,warmup=0' 'head' 'head:lr=3e-5'
 
 A recipe is ``OBJECTIVE[:key=value,...]`` with keys of ``QATConfig`` (lr, optimizer, weight_decay, warmup,
-final_lr_ratio, supervision_stride, ema, amax_lr, bias_lr, box_gain, mask_gain, mask_term; epochs and iters come from --epochs /
+final_lr_ratio, supervision_stride, ema, amax_lr, bias_lr, box_gain, mask_gain; epochs and iters come from --epochs /
 --iters unless given).
 
 Segmentation models (``--task segment``) are ranked by mask mAP50-95, as ``segment/qat_seg.py`` ranks them;
@@ -58,7 +58,7 @@ def parse_recipe(text: str, epochs: int, iters: int) -> QATConfig:
         key, _, value = item.partition("=")
         if key not in fields:
             raise QATError(f"recipe '{text}': unknown setting '{key}'; use one of {', '.join(fields)}.")
-        values[key] = value if key in ("objective", "optimizer", "mask_term") else (int(value) if fields[key] == "int" else float(value))
+        values[key] = value if key in ("objective", "optimizer") else (int(value) if fields[key] == "int" else float(value))
     return QATConfig(**values)
 
 
@@ -107,7 +107,8 @@ def render(results: dict) -> str:
     origin, ptq = results.get("origin"), results.get("ptq")
     metric = "mask mAP50-95" if results.get("task") == "segment" else "mAP50-95"
     lines = [f"# QAT recipes: {results['weights']} (AP: {metric})", "",
-             f"Origin {origin:.4f}, PTQ ({results['calib_method']}, head amax {results.get('head_amax', 'calibrated')}) "
+             f"Origin {origin:.4f}, PTQ ({results['calib_method']}, {results.get('calib_batches', 25)} batches, head amax "
+             f"{results.get('head_amax', 'calibrated')}) "
              f"{ptq:.4f} (held-out loss "
              f"{results.get(HELDOUT, float('nan')):.4g}); augmentation during fine-tuning: "
              f"{results.get('hyp') or 'none'}; {results['machine']}", "",
@@ -117,8 +118,10 @@ def render(results: dict) -> str:
     for r in results["recipes"]:
         aps = [e["AP"] for e in r["epochs"]]
         best = max(aps) if aps else float("nan")
+        boxes = [e["box_AP"] for e in r["epochs"] if "box_AP" in e] if results.get("task") == "segment" else []
         lines.append(f"| `{r['recipe']}` | {best:.4f} | {best - ptq:+.4f} | {best - origin:+.4f} | "
-                     f"{aps.index(best) + 1 if aps else '-'} | {' '.join(f'{a:.4f}' for a in aps)} | "
+                     f"{aps.index(best) + 1 if aps else '-'} | {' '.join(f'{a:.4f}' for a in aps)}"
+                     f"{' (box ' + ' '.join(f'{a:.4f}' for a in boxes) + ')' if boxes else ''} | "
                      f"{r['epochs'][0]['loss']:.4g} -> {r['epochs'][-1]['loss']:.4g} | "
                      f"{' '.join(f'{e[HELDOUT]:.4g}' for e in r['epochs'] if HELDOUT in e) or '-'} | "
                      f"{sum(e['seconds'] for e in r['epochs']) / max(len(aps), 1):.1f} |")
@@ -137,7 +140,7 @@ def main(args) -> dict:
     common = dict(imgsz=args.imgsz, batch_size=args.batch_size, workers=args.workers)
     scored = dict(common, task=args.task)
     backend = lambda model: TorchBackend(model, device, task=args.task)  # noqa: E731
-    results: dict = {"weights": Path(args.weights).name, "task": args.task, "calib_method": args.calib_method, "head_amax": args.head_amax, "hyp": args.hyp, "recipes": [],
+    results: dict = {"weights": Path(args.weights).name, "task": args.task, "calib_method": args.calib_method, "calib_batches": args.calib_batches, "head_amax": args.head_amax, "hyp": args.hyp, "recipes": [],
                      "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"}
     save = lambda: (write_text(out / "results.json", json.dumps(results, indent=2)),  # noqa: E731
                     write_text(out / "results.md", render(results)))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import io
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -162,6 +163,21 @@ def test_gains_weight_their_head_terms(yolov9_tree, images):
     assert weighted["head.cls"] == pytest.approx(plain["head.cls"], rel=1e-3)
     assert weighted["head.box"] == pytest.approx(2 * plain["head.box"], rel=1e-3)
     assert weighted["head.masks"] == pytest.approx(5 * plain["head.masks"], rel=1e-3)
+
+
+def test_seed_orders_the_training_images(yolov9_tree, small_data):
+    """``--seed`` reaches the QAT dataloader: the same seed gives the same order of the training images, another
+    seed another order (upstream's loader alone repeats one order whatever the seed)."""
+    from utils.qat.data import dataloader, load_data_yaml
+    data = load_data_yaml(small_data, splits=("train", "val"))
+
+    def order(seed):
+        loader, _ = dataloader(data, "train", 64, 2, 32, workers=0, rect=False, shuffle=True, seed=seed)
+        return [Path(p).name for batch in loader for p in batch[2]]
+
+    first, again, other = order(1), order(1), order(2)
+    assert len(first) == 8 and sorted(first) == sorted(other)
+    assert first == again and first != other
 
 
 @pytest.mark.slow

@@ -137,7 +137,7 @@ def check_imgsz(imgsz: int, stride: int) -> int:
 
 def dataloader(data: dict, split: str, imgsz: int, batch_size: int, stride: int, *, workers: int = 8,
                rect: bool = True, shuffle: bool = False, hyp: dict | None = None, prefix: str = "",
-               local_rank: int = -1, masks: bool = False):
+               local_rank: int = -1, masks: bool = False, seed: int | None = None):
     """Upstream's dataloader: validation form (letterbox, pad 0.5, rect) by default; with ``hyp``, the
     training form with upstream's augmentation. Returns ``(loader, dataset)``.
 
@@ -145,16 +145,36 @@ def dataloader(data: dict, split: str, imgsz: int, batch_size: int, stride: int,
     process from upstream's ``DistributedSampler`` shard, rank r reading images r, r + W, r + 2W, ...
     (``shuffle``: of one permutation shared by the ranks, drawn anew after ``loader.sampler.set_epoch``).
     ``masks``: upstream's segmentation dataloader, whose batches add one mask per instance at input
-    resolution (as upstream ``segment/val.py`` evaluates)."""
+    resolution (as upstream ``segment/val.py`` evaluates). ``seed``: the shuffle order and the random streams
+    of the workers' augmentation (``_reseeded``)."""
     kwargs = dict(single_cls=False, hyp=hyp, augment=hyp is not None, pad=0.5 if rect else 0.0, rect=rect,
                   workers=min(workers, os.cpu_count() or 1), shuffle=shuffle, prefix=prefix or f"{split}: ",
                   rank=local_rank)
     if masks:
         from utils.segment.dataloaders import create_dataloader as create_seg_dataloader
-        return create_seg_dataloader(data[split], imgsz, batch_size, stride, mask_downsample_ratio=1,
-                                     overlap_mask=False, **kwargs)
-    from utils.dataloaders import create_dataloader
-    return create_dataloader(data[split], imgsz, batch_size, stride, **kwargs)
+        loader, dataset = create_seg_dataloader(data[split], imgsz, batch_size, stride, mask_downsample_ratio=1,
+                                                overlap_mask=False, **kwargs)
+    else:
+        from utils.dataloaders import create_dataloader
+        loader, dataset = create_dataloader(data[split], imgsz, batch_size, stride, **kwargs)
+    return (loader if seed is None else _reseeded(loader, seed, local_rank)), dataset
+
+
+def _reseeded(loader, seed: int, local_rank: int = -1):
+    """``loader`` again, its shuffle and its workers' seeds drawn from ``seed``. Upstream seeds every loader's
+    generator with one constant, so the order of the images and every worker's augmentation repeat whatever
+    the seed. A distributed sampler takes the seed itself (its permutation is shared by the ranks); the
+    workers' streams differ per rank, as upstream's do."""
+    import torch
+    from torch.utils.data import DistributedSampler, RandomSampler
+    generator = torch.Generator()
+    generator.manual_seed(seed + max(local_rank, 0))
+    sampler = loader.sampler if isinstance(loader.sampler, DistributedSampler) else None
+    if sampler is not None:
+        sampler.seed = seed
+    return type(loader)(loader.dataset, batch_size=loader.batch_size, shuffle=isinstance(loader.sampler, RandomSampler),
+                        num_workers=loader.num_workers, sampler=sampler, pin_memory=loader.pin_memory,
+                        collate_fn=loader.collate_fn, worker_init_fn=loader.worker_init_fn, generator=generator)
 
 
 def check_polygons(data: dict, splits: tuple[str, ...] = ("val",)) -> None:

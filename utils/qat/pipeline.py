@@ -92,18 +92,18 @@ def _dump_amax(qmodel: nn.Module) -> None:
 
 def finetune_stage(qmodel: nn.Module, fp_model: nn.Module, info: QuantInfo, data: dict, config: QATConfig, *,
                    imgsz: int, batch_size: int, device: torch.device, hyp: dict | None = None, workers: int = 8,
-                   task: str = "detect", world_size: int = 1, local_rank: int = -1,
+                   task: str = "detect", world_size: int = 1, local_rank: int = -1, seed: int | None = None,
                    on_epoch_end: Callable[[EpochResult], None] | None = None) -> list[EpochResult]:
     """QAT fine-tuning of the calibrated ``qmodel`` towards ``fp_model`` (and/or the labels) on the training
-    split (upstream's augmentation per ``hyp``). ``batch_size`` is the global batch: each of ``world_size``
-    processes reads its share (``local_rank`` >= 0, DistributedSampler)."""
+    split (upstream's augmentation per ``hyp``; ``seed``: its order and augmentation). ``batch_size`` is the global
+    batch: each of ``world_size`` processes reads its share (``local_rank`` >= 0, DistributedSampler)."""
     from utils.qat.quantize.objectives import needs_labels
     from utils.qat.quantize.model_quant import fuse
     from utils.qat.quantize.finetune import finetune
     labels = needs_labels(config.objective)
     loader, _ = dataloader(data, "train", imgsz, batch_size // world_size, int(fp_model.stride.max()),
                            workers=workers, rect=False, shuffle=True, hyp=hyp, prefix="QAT: ", local_rank=local_rank,
-                           masks=labels and task == "segment")
+                           masks=labels and task == "segment", seed=seed)
     teacher = fuse(copy.deepcopy(fp_model))
     return finetune(qmodel, teacher, lambda: (labelled if labels else images_only)(loader, device), config,
                     device=device, hyp=hyp, on_epoch_start=loader.sampler.set_epoch if local_rank >= 0 else None,
@@ -129,7 +129,7 @@ def qat(fp_model: nn.Module, data: dict, quant: QuantConfig, config: QATConfig |
         recorder.ptq(qmodel, info, calibration_seconds=time.time() - start, finetuning=config is not None)
     if config is not None:
         finetune_stage(qmodel, fp_model, info, data, config, imgsz=imgsz, batch_size=batch_size, device=device,
-                       hyp=hyp, workers=workers, task=task, world_size=world_size, local_rank=local_rank,
+                       hyp=hyp, workers=workers, task=task, world_size=world_size, local_rank=local_rank, seed=seed,
                        on_epoch_end=(lambda result: recorder.epoch_end(qmodel, info, result)) if recorder else None)
     if recorder:
         recorder.finish()

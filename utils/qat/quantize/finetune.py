@@ -44,7 +44,6 @@ class QATConfig:
     bias_lr: float = 1.0  # the biases' learning rate is lr times this
     box_gain: float = 1.0  # weight of the head objective's box term (head.box)
     mask_gain: float = 5.0  # weight of its masks term (head.masks: segmentation heads only; docs/QAT.md, fifth round)
-    mask_term: str = "maps"  # what the masks term compares (objectives.MASK_TERMS)
 
 
 @dataclass
@@ -212,8 +211,7 @@ def finetune(model: nn.Module, teacher: nn.Module, batches: Callable[[], Iterabl
                 values = {}
                 for term in terms:
                     if term == "head":
-                        parts = objectives.head_distillation(s_out, t_out, head.reg_max, head.nc, stride=head.stride,
-                                                             masks=config.mask_term)
+                        parts = objectives.head_distillation(s_out, t_out, head.reg_max, head.nc)
                         values.update({f"head.{k}": v * gains.get(k, 1.0) for k, v in parts.items()})
                     elif term == "features":
                         values[term] = objectives.feature_distillation(student_taps.outputs, teacher_taps.outputs, tapped)

@@ -8,12 +8,8 @@ boxes in pixels. The objectives:
               class probabilities from the teacher's, and the KL divergence of its box distributions
               (DFL, ``reg_max`` bins per side) from the teacher's, weighted by the teacher's class
               confidence. Both are normalised by the teacher's foreground mass in the image, so the
-              thousands of background anchors neither dominate nor dilute. A segmentation head adds a
-              ``masks`` term (``MASK_TERMS``): ``maps`` matches its mask coefficients and prototypes by
-              normalised MSE; ``weighted`` weights each anchor's coefficient error by the teacher's class
-              confidence, as the box term does; ``assembled`` compares the masks themselves, as the
-              evaluation builds them (``sigmoid(coefficients @ prototypes)`` inside the box), for each image's
-              most confident anchors of the teacher.
+              thousands of background anchors neither dominate nor dilute. Mask coefficients and
+              prototypes of a segmentation head are matched by normalised MSE.
 ``features``  normalised MSE of the block outputs (every ``supervision_stride``-th block before the head):
               ``mean((s - t)^2) / mean(t^2)`` per block, averaged over blocks.
 ``task``      upstream's own training loss from the labels (``utils/loss_tal.py`` for DDetect,
@@ -38,8 +34,6 @@ import torch.nn.functional as F
 OBJECTIVES = ("head", "features", "head+features", "task", "task+head", "mse")
 DEFAULT_OBJECTIVE = "head"
 TERMS = ("head", "features", "task", "mse")
-MASK_TERMS = ("maps", "weighted", "assembled")
-MASK_ANCHORS = 64  # ``assembled``: masks compared per image (the teacher's most confident anchors)
 
 
 def parse(objective: str) -> list[str]:
@@ -70,11 +64,9 @@ def _levels(out) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return [t for t in tensors if t.dim() == 4], [t for t in tensors if t.dim() != 4]
 
 
-def head_distillation(student_out, teacher_out, reg_max: int, nc: int, *, stride: torch.Tensor | None = None,
-                      masks: str = "maps") -> dict[str, torch.Tensor]:
+def head_distillation(student_out, teacher_out, reg_max: int, nc: int) -> dict[str, torch.Tensor]:
     """The ``head`` objective's parts: ``cls`` and ``box`` (per image, normalised by the teacher's foreground
-    mass, averaged over the batch) and ``masks`` (segmentation only, per ``masks``, one of ``MASK_TERMS``;
-    ``assembled`` needs the head's ``stride``)."""
+    mass, averaged over the batch) and ``masks`` (mask coefficients and prototypes, segmentation only)."""
     s_maps, s_other = _levels(student_out)
     t_maps, t_other = _levels(teacher_out)
     s_det = [s for s in s_maps if s.shape[1] == 4 * reg_max + nc]
@@ -96,96 +88,8 @@ def head_distillation(student_out, teacher_out, reg_max: int, nc: int, *, stride
     box = (t_logp.exp() * (t_logp - s_logp)).sum(2).sum(1)  # B x A
     parts = {"cls": (cls.sum(1) / mass).mean(), "box": ((box * weight).sum(1) / mass).mean()}
     if extra:
-        if masks not in MASK_TERMS:
-            from utils.qat.errors import QATError
-            raise QATError(f"unknown masks term '{masks}'; choose one of {', '.join(MASK_TERMS)}.")
-        if masks == "maps":
-            parts["masks"] = sum(_relative_mse(s, t) for s, t in extra) / len(extra)
-        else:
-            branches = list(zip(_segment_branches(student_out), _segment_branches(teacher_out)))
-            if masks == "weighted":
-                terms = [_weighted_coefficients(s_mc, t_mc, _confidence(t_levels, reg_max, nc)) + _relative_mse(s_p, t_p)
-                         for (_, s_mc, s_p), (t_levels, t_mc, t_p) in branches]
-                parts["masks"] = sum(terms) / (2 * len(terms))
-            else:
-                if stride is None:
-                    raise ValueError("the assembled masks term needs the head's stride")
-                terms = [assembled_masks(s_mc, s_p, t_levels, t_mc, t_p, reg_max, nc, stride)
-                         for (_, s_mc, s_p), (t_levels, t_mc, t_p) in branches]
-                parts["masks"] = sum(terms) / len(terms)
+        parts["masks"] = sum(_relative_mse(s, t) for s, t in extra) / len(extra)
     return parts
-
-
-def _segment_branches(out) -> list[tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]]:
-    """``(level maps, mask coefficients B x nm x A, prototypes B x nm x h x w)`` per branch of a segmentation
-    head's training output: Segment/DSegment ``(levels, mc, p)``, DualDSegment ``([d1, d2], [mc1, mc2], [p1, p2])``."""
-    if not (isinstance(out, (tuple, list)) and len(out) == 3):
-        return []
-    levels, mc, p = out
-    if isinstance(mc, torch.Tensor) and isinstance(p, torch.Tensor) and mc.dim() == 3 and p.dim() == 4:
-        return [(list(levels), mc, p)]
-    if isinstance(mc, (list, tuple)) and isinstance(p, (list, tuple)):
-        return [(list(d), m, q) for d, m, q in zip(levels, mc, p)]
-    return []
-
-
-def _confidence(levels: list[torch.Tensor], reg_max: int, nc: int) -> torch.Tensor:
-    """B x A: the highest class probability of each anchor (the weight the cls and box terms use)."""
-    maps = torch.cat([x.flatten(2) for x in levels], 2).float()
-    return maps[:, 4 * reg_max:4 * reg_max + nc].sigmoid().amax(1)
-
-
-def _weighted_coefficients(s_mc: torch.Tensor, t_mc: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Each anchor's squared coefficient error weighted by the teacher's confidence there, per image normalised
-    by the foreground mass and the teacher's coefficient energy, averaged over the batch."""
-    s_mc, t_mc = s_mc.float(), t_mc.float()
-    error = (s_mc - t_mc).pow(2).mean(1)  # B x A
-    energy = t_mc.pow(2).mean((1, 2)).clamp(min=1e-8)
-    mass = weight.sum(1).clamp(min=1.0)
-    return ((error * weight).sum(1) / mass / energy).mean()
-
-
-def _anchor_boxes(levels: list[torch.Tensor], reg_max: int, stride: torch.Tensor) -> torch.Tensor:
-    """The boxes the levels' DFL distributions decode to, x1 y1 x2 y2 in input pixels: B x 4 x A."""
-    points, strides = [], []
-    for x, s in zip(levels, stride.tolist()):
-        h, w = x.shape[2:]
-        ys, xs = torch.meshgrid(torch.arange(h, device=x.device), torch.arange(w, device=x.device), indexing="ij")
-        points.append(torch.stack((xs.flatten(), ys.flatten())).float().add(0.5) * s)
-        strides.append(torch.full((h * w,), float(s), device=x.device))
-    point, step = torch.cat(points, 1), torch.cat(strides)  # 2 x A, A
-    maps = torch.cat([x.flatten(2) for x in levels], 2).float()
-    b, a = maps.shape[0], maps.shape[2]
-    bins = torch.arange(reg_max, device=maps.device, dtype=torch.float32)
-    dist = (maps[:, :4 * reg_max].view(b, 4, reg_max, a).softmax(2) * bins.view(1, 1, -1, 1)).sum(2) * step  # l t r b
-    return torch.cat((point - dist[:, :2], point + dist[:, 2:]), 1)
-
-
-def assembled_masks(s_mc: torch.Tensor, s_p: torch.Tensor, t_levels: list[torch.Tensor], t_mc: torch.Tensor,
-                    t_p: torch.Tensor, reg_max: int, nc: int, stride: torch.Tensor,
-                    anchors: int = MASK_ANCHORS) -> torch.Tensor:
-    """The masks as the evaluation forms them, student against teacher: for each image's ``anchors`` most
-    confident anchors of the teacher, ``coefficients @ prototypes`` at prototype resolution, compared by the
-    per-pixel Bernoulli KL inside the teacher's box (the evaluation crops there), averaged over the box;
-    anchors weighted by the teacher's confidence."""
-    weight = _confidence(t_levels, reg_max, nc)  # B x A
-    w, idx = weight.topk(min(anchors, weight.shape[1]), 1)  # B x K
-    boxes = _anchor_boxes(t_levels, reg_max, stride).gather(2, idx.unsqueeze(1).expand(-1, 4, -1))  # B x 4 x K
-    scale = t_levels[0].shape[2] * float(stride[0]) / t_p.shape[2]  # input pixels per prototype pixel
-    boxes = boxes / scale
-    pick = lambda mc: mc.float().gather(2, idx.unsqueeze(1).expand(-1, mc.shape[1], -1))  # noqa: E731
-    s_m = torch.einsum("bnk,bnhw->bkhw", pick(s_mc), s_p.float())
-    t_m = torch.einsum("bnk,bnhw->bkhw", pick(t_mc), t_p.float())
-    h, w_ = t_p.shape[2:]
-    cols = torch.arange(w_, device=t_p.device, dtype=torch.float32).view(1, 1, 1, -1)
-    rows = torch.arange(h, device=t_p.device, dtype=torch.float32).view(1, 1, -1, 1)
-    x1, y1, x2, y2 = (boxes[:, i].unsqueeze(-1).unsqueeze(-1) for i in range(4))
-    inside = ((cols >= x1) & (cols < x2) & (rows >= y1) & (rows < y2)).float()  # B x K x h x w
-    t_prob = t_m.sigmoid()
-    kl = (F.binary_cross_entropy_with_logits(s_m, t_prob, reduction="none")
-          - F.binary_cross_entropy_with_logits(t_m, t_prob, reduction="none"))
-    per_mask = (kl * inside).sum((2, 3)) / inside.sum((2, 3)).clamp(min=1.0)  # B x K
-    return ((per_mask * w).sum(1) / w.sum(1).clamp(min=1e-6)).mean()
 
 
 def _relative_mse(s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
