@@ -254,7 +254,7 @@ MINI = {"nc": 2, "depth_multiple": 1.0, "width_multiple": 1.0, "anchors": 3,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["max", "percentile", "mse", "entropy"])
+@pytest.mark.parametrize("method", ["max", "percentile", "mse", "entropy", "mse-image"])
 def test_calibration_methods(yolov9_tree, shared, method):
     from utils.qat.quantize.model_quant import QuantConfig, quantize
     model = build(MINI if method == "entropy" else TINY_GELAN)
@@ -408,6 +408,38 @@ def test_mse_amax_on_a_grown_histogram(yolov9_tree):
         pytest.fail("no grown histogram with a spare edge: modelopt's histogram growth changed")
     amax = float(mse_amax(c._calib_hist, c._calib_bin_edges))
     assert 0 < amax <= float(c._calib_bin_edges[-1])
+
+
+def test_mse_image_weighs_every_image_alike(yolov9_tree):
+    """``mse-image``: on images of one scale it finds the pooled MSE clipping value; when one image of 16 runs 100x
+    above the rest (as on GELAN-QS-seg, docs/QAT.md sixth round), the pooled search hands that image the scale,
+    the image-weighted one stays many times below it."""
+    from modelopt.torch.quantization.calib import HistogramCalibrator
+    from modelopt.torch.quantization.config import QuantizerAttributeConfig
+    from modelopt.torch.quantization.nn import TensorQuantizer
+
+    from utils.qat.quantize.calib import mse_amax
+    from utils.qat.quantize.image_hist import ImageHistograms
+
+    def pooled(x):
+        c = HistogramCalibrator(num_bits=8, axis=None, unsigned=False)
+        c.collect(x)
+        return float(mse_amax(c._calib_hist, c._calib_bin_edges))
+
+    def image_weighted(x):
+        q = TensorQuantizer(QuantizerAttributeConfig(num_bits=8, axis=None))
+        q.disable()  # passes its input through, as calibration runs it
+        hists = ImageHistograms([q])
+        q(x[:8]), q(x[8:])  # two batches add up
+        hists.close()
+        return float(hists.amax(q))
+
+    batch = torch.randn(16, 8, 32, 32, generator=torch.Generator().manual_seed(0))
+    assert image_weighted(batch) == pytest.approx(pooled(batch), rel=0.1)
+    clean = pooled(batch[1:])
+    batch[0] *= 100
+    assert pooled(batch) > 50 * clean
+    assert image_weighted(batch) < pooled(batch) / 4
 
 
 SEG_CFGS = ["gelan-c-seg", "gelan-c-dseg", "yolov9-c-dseg"]

@@ -7,6 +7,8 @@ internals: the calibrators' histograms, and where a quantizer keeps its amax (``
 - Max calibrators (weights always; inputs with ``method="max"``): amax is the max |x| seen.
 - Histogram calibrators (percentile, mse, entropy): amax from the histogram of |x| (``histogram_amax``;
   the MSE search is this module's own, ``mse_amax``).
+- ``mse-image``: the same MSE search over histograms in which every image weighs alike
+  (``utils/qat/quantize/image_hist.py``), collected by this module's hooks instead of modelopt's calibrators.
 - Then the quantizers that must share one scale (``utils/qat/quantize/rules.scale_groups``) get their
   group's largest amax; the groups are returned (``QuantInfo.scale_groups``).
 
@@ -26,7 +28,8 @@ from torch import nn
 from utils.qat.quantize import rules
 from utils.qat.quantize.config import QuantConfig
 from utils.qat.quantize.head import SEARCH_BATCHES, search_head_amax
-from utils.qat.quantize.state import amax_state, amax_vector, collecting, enabled_quantizers, load_amax
+from utils.qat.quantize.image_hist import ImageHistograms
+from utils.qat.quantize.state import amax_state, amax_vector, collecting, enabled_quantizers, load_amax, quantizers_off
 from utils.qat import distributed
 from utils.qat.errors import QATError
 from utils.qat.progress import progress
@@ -65,12 +68,15 @@ def _calibrate(model: nn.Module, batches: Iterable[torch.Tensor], config: QuantC
     histogram amax twice; calibration is driven here instead: one pass, one ``compute_amax`` per quantizer.
     """
     quantizers = enabled_quantizers(model)
+    # mse-image: the activation quantizers pass their inputs through to this module's hooks
+    own = [q for q in quantizers if isinstance(q._calibrator, HistogramCalibrator)] if config.method == "mse-image" else []
+    hists, own_ids = ImageHistograms(own), {id(q) for q in own}
     training = model.training
     model.eval()
     seen = 0
     kept: list[torch.Tensor] = []  # the first batches again, for the head amax search
     try:
-        with collecting(quantizers):
+        with collecting([q for q in quantizers if id(q) not in own_ids]), quantizers_off(own):
             for images in progress(batches, total=num_batches, desc=f"calibrating ({config.method})"):
                 model(images)
                 if example is None:
@@ -83,11 +89,14 @@ def _calibrate(model: nn.Module, batches: Iterable[torch.Tensor], config: QuantC
             if example is None or seen == 0:
                 raise QATError("no calibration images were read; check the 'train' entry of the dataset yaml.")
             for q in progress(quantizers, desc="computing amax", leave=False):
-                if isinstance(q._calibrator, HistogramCalibrator):
+                if id(q) in own_ids:
+                    q.amax = hists.amax(q).to(example.device)
+                elif isinstance(q._calibrator, HistogramCalibrator):
                     q.amax = histogram_amax(q._calibrator, config.method, config.percentile).to(example.device)
                 else:
                     q.load_calib_amax()
     finally:
+        hists.close()
         model.train(training)
     groups = rules.scale_groups(model, example)
     rules.tie_scales(model, groups)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from utils.qat.errors import QATError
 
-CALIB_METHODS = ("max", "percentile", "mse", "entropy")
+CALIB_METHODS = ("max", "percentile", "mse", "entropy", "mse-image")  # mse-image: every image weighs alike
 DEFAULT_CALIB_METHOD = "mse"
 DEFAULT_PERCENTILE = 99.99
 HEAD_AMAX = ("calibrated", "search")  # the detect head's input scales: as calibrated, or searched (head.py)
