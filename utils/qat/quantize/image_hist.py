@@ -37,7 +37,7 @@ def image_weighted_histogram(x: torch.Tensor) -> torch.Tensor:
     for image in x.detach().reshape(x.shape[0], -1):
         image = image.float().abs()
         index = ((image.clamp(min=1e-30).log10() - LOW) * PER_DECADE).floor().clamp(0, BINS - 1).long()
-        hist += torch.bincount(index, minlength=BINS).double() / float(image.pow(2).sum().clamp(min=1e-12))
+        hist += torch.bincount(index, minlength=BINS).double() / image.pow(2).sum().clamp(min=1e-12).double()
     return hist
 
 
