@@ -41,10 +41,12 @@ def _common(p: argparse.ArgumentParser, project: str) -> None:
                         "there is replaced, its report and checkpoints removed first)")
 
 
-def _calibration(p: argparse.ArgumentParser) -> None:
-    from utils.qat.quantize.config import CALIB_METHODS, DEFAULT_CALIB_METHOD, DEFAULT_HEAD_AMAX, DEFAULT_PERCENTILE, HEAD_AMAX
-    p.add_argument("--calib-method", choices=CALIB_METHODS, default=DEFAULT_CALIB_METHOD,
-                   help="activation calibration (weights are always per-channel max)")
+def _calibration(p: argparse.ArgumentParser, task: str) -> None:
+    from utils.qat.quantize.config import CALIB_METHODS, DEFAULT_CALIB_METHODS, DEFAULT_HEAD_AMAX, DEFAULT_PERCENTILE, HEAD_AMAX
+    p.add_argument("--calib-method", choices=CALIB_METHODS, default=DEFAULT_CALIB_METHODS[task],
+                   help="activation calibration (weights are always per-channel max; default: %(default)s). mse-image "
+                        "runs the MSE search with every image weighted alike, so a few images with far larger "
+                        "activations cannot stretch the scales (the segmentation default; docs/QAT.md, seventh round)")
     p.add_argument("--percentile", type=float, default=DEFAULT_PERCENTILE, help="for --calib-method percentile")
     p.add_argument("--calib-batches", type=int, default=25,
                    help="calibration batches: the first N of the training split, unaugmented (a few images with far "
@@ -116,7 +118,7 @@ def get_args_parser(task: str = "detect", prog: str = "qat.py", description: str
 
     q = sub.add_parser("quantize", help="PTQ calibration, then QAT fine-tuning; evaluates and saves each stage")
     _common(q, runs)
-    _calibration(q)
+    _calibration(q, task)
     _finetuning(q)
     q.add_argument("--skip-layers", default="", help="keep in FP: layer indices and/or module patterns, comma separated")
     q.add_argument("--no-eval-origin", action="store_true", help="do not evaluate the FP model")
@@ -127,7 +129,7 @@ def get_args_parser(task: str = "detect", prog: str = "qat.py", description: str
 
     s = sub.add_parser("sensitive", help="per-layer sensitivity: AP with each layer kept in FP")
     _common(s, f"{runs}_sensitive")
-    _calibration(s)
+    _calibration(s, task)
     s.add_argument("--num-image", type=int, default=None, help="evaluate on the first N validation images")
     s.add_argument("--top", type=int, default=10, help="layers shown in the table and the suggested skip list")
     s.set_defaults(conf_thres=0.001, iou_thres=0.7)  # scored at quantize's evaluation thresholds (no flags)

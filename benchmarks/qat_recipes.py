@@ -38,7 +38,7 @@ import torch  # noqa: E402
 
 from utils.qat.quantize.objectives import head_distillation, head_of  # noqa: E402
 from utils.qat.quantize.model_quant import fuse  # noqa: E402
-from utils.qat.quantize.config import DEFAULT_HEAD_AMAX, HEAD_AMAX, QuantConfig  # noqa: E402
+from utils.qat.quantize.config import CALIB_METHODS, DEFAULT_CALIB_METHODS, DEFAULT_HEAD_AMAX, HEAD_AMAX, QuantConfig  # noqa: E402
 from utils.qat.quantize.finetune import QATConfig  # noqa: E402
 from utils.qat import checkpoint  # noqa: E402
 from utils.qat.atomic import write_text  # noqa: E402
@@ -71,7 +71,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--device", default="")
     p.add_argument("--workers", type=int, default=8)
-    p.add_argument("--calib-method", default="mse")
+    p.add_argument("--calib-method", choices=CALIB_METHODS, default=None,
+                   help="default: qat.py's for the task (detect: mse, segment: mse-image)")
     p.add_argument("--head-amax", choices=HEAD_AMAX, default=DEFAULT_HEAD_AMAX, help="the head's input scales (qat.py's flag)")
     p.add_argument("--calib-batches", type=int, default=25)
     p.add_argument("--epochs", type=int, default=4)
@@ -129,6 +130,7 @@ def render(results: dict) -> str:
 
 
 def main(args) -> dict:
+    calib_method = args.calib_method or DEFAULT_CALIB_METHODS[args.task]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     recipes = [(text, parse_recipe(text, args.epochs, args.iters)) for text in args.recipes]
@@ -140,12 +142,12 @@ def main(args) -> dict:
     common = dict(imgsz=args.imgsz, batch_size=args.batch_size, workers=args.workers)
     scored = dict(common, task=args.task)
     backend = lambda model: TorchBackend(model, device, task=args.task)  # noqa: E731
-    results: dict = {"weights": Path(args.weights).name, "task": args.task, "calib_method": args.calib_method, "calib_batches": args.calib_batches, "head_amax": args.head_amax, "hyp": args.hyp, "recipes": [],
+    results: dict = {"weights": Path(args.weights).name, "task": args.task, "calib_method": calib_method, "calib_batches": args.calib_batches, "head_amax": args.head_amax, "hyp": args.hyp, "recipes": [],
                      "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"}
     save = lambda: (write_text(out / "results.json", json.dumps(results, indent=2)),  # noqa: E731
                     write_text(out / "results.md", render(results)))
     results["origin"] = evaluate(backend(fuse(copy.deepcopy(fp))), data, desc="Origin", **scored).mAP50_95
-    qmodel, info = ptq(fp, data, QuantConfig(method=args.calib_method, head_amax=args.head_amax), calib_batches=args.calib_batches, device=device,
+    qmodel, info = ptq(fp, data, QuantConfig(method=calib_method, head_amax=args.head_amax), calib_batches=args.calib_batches, device=device,
                        **common)
     results["ptq"] = evaluate(backend(qmodel), data, desc="PTQ", **scored).mAP50_95
     teacher = fuse(copy.deepcopy(fp)).to(device)

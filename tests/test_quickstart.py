@@ -10,10 +10,10 @@ import pytest
 from conftest import REPO
 
 
-# QAT steps for the test: a third of the quickstart's default 24, on the same data, model and evaluation. Measured
-# on 2 CPU cores (AP50-95 on the 64 val images): Origin 0.9330, PTQ 0.9279; QAT after 2 steps 0.9281 (too close to
-# call), after 8 steps 0.9317, which wins back three quarters of PTQ's loss. QAT_MARGIN keeps the check meaningful.
-TEST_ITERS = "8"
+# The quickstart as shipped: the default recipe (mse, head scales searched, learned scales), 2 epochs x 32 steps.
+# Measured on 2 CPU cores (AP50-95 on the 64 val images): Origin 0.9330, PTQ 0.9282; QAT epochs 0.9311 0.9294
+# (OpenCV 5.0). One epoch of 24 steps gave 0.9298 with OpenCV 4.14 and 0.9281 with 5.0: a short CPU run moves by
+# about 0.002 with the augmentation's pixels, so the test keeps the shipped length. QAT_MARGIN keeps it meaningful.
 QAT_MARGIN = 0.001
 
 
@@ -21,7 +21,7 @@ QAT_MARGIN = 0.001
 @pytest.mark.e2e
 def test_quickstart_end_to_end(tmp_path):
     work = tmp_path / "qs"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "YOLOV9_QAT_QUIET": "1", "QS_ITERS": TEST_ITERS}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "YOLOV9_QAT_QUIET": "1"}
     r = subprocess.run(["bash", str(REPO / "scripts" / "quickstart.sh"), str(work)], capture_output=True, text=True,
                        env=env, timeout=1500)
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
@@ -30,7 +30,7 @@ def test_quickstart_end_to_end(tmp_path):
     for f in (run / "report.json", run / "report.md", run / "qat_ap.png", weights / "qat_best_gelan-qs-shapes.pt",
               weights / "qat_best_gelan-qs-shapes.onnx", work / "runs" / "quickstart-onnx" / "results.json"):
         assert f.is_file() and f.stat().st_size > 0, f
-    assert list(weights.glob("ptq_ap_*.pt")) and list(weights.glob("qat_ep_1_ap_*.pt"))
+    assert list(weights.glob("ptq_ap_*.pt")) and list(weights.glob("qat_ep_2_ap_*.pt"))
 
     from utils.qat.onnx_qdq import lint
     report = lint(weights / "qat_best_gelan-qs-shapes.onnx")
@@ -41,7 +41,7 @@ def test_quickstart_end_to_end(tmp_path):
     assert abs(rows["INT8 ONNX Runtime"]["AP"] - rows["QAT"]["AP"]) <= 0.01
     assert rows["QAT"]["AP"] >= rows["Origin"]["AP"] - 0.02
     # fine-tuning beat calibration, by more than rounding
-    assert rows["QAT"]["AP"] > rows["PTQ"]["AP"] + QAT_MARGIN and rows["QAT"]["epoch"] == 1, (rows["QAT"], rows["PTQ"])
+    assert rows["QAT"]["AP"] > rows["PTQ"]["AP"] + QAT_MARGIN and rows["QAT"]["epoch"] >= 1, (rows["QAT"], rows["PTQ"])
     assert "INT8 ONNX Runtime" in (run / "report.md").read_text()
     assert "Next, on your own model" in r.stdout
 

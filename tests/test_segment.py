@@ -163,6 +163,18 @@ def seg_run(yolov9_tree, seg_shapes, tmp_path_factory):
     return project / "s", r
 
 
+def test_calibration_default_follows_the_task(yolov9_tree):
+    """qat.py calibrates with mse and segment/qat_seg.py with mse-image unless --calib-method says otherwise
+    (docs/QAT.md, seventh round: the defaults measured best per task)."""
+    import importlib
+    for module, default in (("qat", "mse"), ("segment.qat_seg", "mse-image")):
+        parser = importlib.import_module(module).get_args_parser()
+        for cmd in ("quantize", "sensitive"):
+            assert parser.parse_args([cmd, "--weights", "m.pt"]).calib_method == default, (module, cmd)
+        other = "mse" if default == "mse-image" else "mse-image"
+        assert parser.parse_args(["quantize", "--weights", "m.pt", "--calib-method", other]).calib_method == other
+
+
 @pytest.mark.slow
 @pytest.mark.e2e
 def test_qat_seg_report(seg_run):

@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from helpers import upstream_config_dir
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "make_shapes_dataset.py"
 N_TRAIN, N_VAL, IMGSZ = 12, 4, 256
@@ -127,9 +129,13 @@ def test_cli_rejects_bad_sizes(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
-def test_yaml_loads_with_upstream_check_dataset(yolov9_tree, dataset):
-    from utils.general import check_dataset
-    data = check_dataset(str(dataset / "shapes.yaml"), autodownload=False)
+def test_yaml_loads_with_upstream_check_dataset(yolov9_tree, dataset, tmp_path, monkeypatch):
+    from utils import general
+    # check_dataset ends by downloading Arial.ttf into upstream's config dir when it is missing (no network
+    # here, and no toolkit command calls check_dataset): give it a config dir that holds the font.
+    font_dir = Path(upstream_config_dir(tmp_path / "config")["YOLOV5_CONFIG_DIR"])
+    monkeypatch.setattr(general, "CONFIG_DIR", font_dir)
+    data = general.check_dataset(str(dataset / "shapes.yaml"), autodownload=False)
     assert data["nc"] == len(gen.NAMES)
     assert list(data["names"].values()) == list(gen.NAMES)
     assert Path(data["train"]) == dataset / "images" / "train"
