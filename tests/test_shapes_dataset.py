@@ -133,8 +133,8 @@ def test_yaml_loads_with_upstream_check_dataset(yolov9_tree, dataset, tmp_path, 
     from utils import general
     # check_dataset ends by downloading Arial.ttf into upstream's config dir when it is missing (no network
     # here, and no toolkit command calls check_dataset): give it a config dir that holds the font.
-    font_dir = Path(upstream_config_dir(tmp_path / "config")["YOLOV5_CONFIG_DIR"])
-    monkeypatch.setattr(general, "CONFIG_DIR", font_dir)
+    upstream_config_dir(tmp_path / "config")
+    monkeypatch.setattr(general, "CONFIG_DIR", tmp_path / "config")
     data = general.check_dataset(str(dataset / "shapes.yaml"), autodownload=False)
     assert data["nc"] == len(gen.NAMES)
     assert list(data["names"].values()) == list(gen.NAMES)
