@@ -1,6 +1,6 @@
 """Quantization-aware training for YOLOv9 (INT8, TensorRT-ready).
 
-    python3 qat.py quantize  --weights yolov9-c-converted.pt --data data/coco.yaml --hyp data/hyps/hyp.scratch-high.yaml
+    python3 qat.py quantize  --weights yolov9-c-converted.pt --data data/coco.yaml
     python3 qat.py sensitive --weights yolov9-c-converted.pt --data data/coco.yaml --num-image 1000
     python3 qat.py eval      --weights runs/qat/exp/weights/qat_best_yolov9-c-converted.pt --data data/coco.yaml
 """
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING  # noqa: E402
 
 
 from utils.qat import checkpoint, distributed, reports, validate  # noqa: E402
-from utils.qat.data import check_imgsz, data_argument, load_data_yaml, load_hyp  # noqa: E402
+from utils.qat.data import DEFAULT_HYPS, NO_HYP, check_imgsz, data_argument, hyp_argument, load_data_yaml, load_hyp  # noqa: E402
 from utils.qat.device import select_device  # noqa: E402
 from utils.qat.errors import QATError, run_cli  # noqa: E402
 
@@ -46,20 +46,20 @@ def _calibration(p: argparse.ArgumentParser, task: str) -> None:
     p.add_argument("--calib-method", choices=CALIB_METHODS, default=DEFAULT_CALIB_METHODS[task],
                    help="activation calibration (weights are always per-channel max; default: %(default)s). mse-image "
                         "runs the MSE search with every image weighted alike, so a few images with far larger "
-                        "activations cannot stretch the scales (the segmentation default; docs/QAT.md, seventh round)")
+                        "activations cannot stretch the scales (the segmentation default; docs/QAT.md '`mse-image` on "
+                        "the GPU, and the calibration default per task')")
     p.add_argument("--percentile", type=float, default=DEFAULT_PERCENTILE, help="for --calib-method percentile")
     p.add_argument("--calib-batches", type=int, default=25,
                    help="calibration batches: the first N of the training split, unaugmented (a few images with far "
-                        "larger activations than the rest can cost more than they teach: docs/QAT.md, sixth round)")
+                        "larger activations than the rest can cost more than they teach: docs/QAT.md 'GELAN-C run to "
+                        "run, and what limits GELAN-QS-seg')")
     p.add_argument("--head-amax", choices=HEAD_AMAX, default=DEFAULT_HEAD_AMAX,
                    help="the detect head's input scales: as calibrated, or searched after calibration for the "
                         "lowest error of the head's outputs against the FP head (a few seconds on a GPU)")
-    p.add_argument("--hyp", default=None,
-                   help="hyperparameter yaml for QAT-time augmentation, e.g. data/hyps/hyp.scratch-high.yaml (the "
-                        "default recipe was measured with it; without it fine-tuning sees the images unaugmented)")
     p.add_argument("--seed", type=int, default=57,
                    help="seeds the fine-tuning: the order of the training images and the random streams of their "
-                        "augmentation (runs with the same seed and --workers repeat; docs/QAT.md, sixth round)")
+                        "augmentation (runs with the same seed and --workers repeat; docs/QAT.md 'GELAN-C run to run, "
+                        "and what limits GELAN-QS-seg')")
 
 
 def _finetuning(p: argparse.ArgumentParser) -> None:
@@ -119,6 +119,10 @@ def get_args_parser(task: str = "detect", prog: str = "qat.py", description: str
     q = sub.add_parser("quantize", help="PTQ calibration, then QAT fine-tuning; evaluates and saves each stage")
     _common(q, runs)
     _calibration(q, task)
+    q.add_argument("--hyp", default=DEFAULT_HYPS[task] or NO_HYP,
+                   help="upstream hyperparameter yaml for the augmentation of the fine-tuning images (a path, or a "
+                        f"name in the tree's data/hyps/); '{NO_HYP}' fine-tunes on the images as they are "
+                        "(default: %(default)s, as measured for this task in docs/QAT.md)")
     _finetuning(q)
     q.add_argument("--skip-layers", default="", help="keep in FP: layer indices and/or module patterns, comma separated")
     q.add_argument("--no-eval-origin", action="store_true", help="do not evaluate the FP model")
@@ -130,6 +134,7 @@ def get_args_parser(task: str = "detect", prog: str = "qat.py", description: str
     s = sub.add_parser("sensitive", help="per-layer sensitivity: AP with each layer kept in FP")
     _common(s, f"{runs}_sensitive")
     _calibration(s, task)
+    s.add_argument("--hyp", default=None, help="accepted for quantize's command lines; not used (sensitive only calibrates)")
     s.add_argument("--num-image", type=int, default=None, help="evaluate on the first N validation images")
     s.add_argument("--top", type=int, default=10, help="layers shown in the table and the suggested skip list")
     s.set_defaults(conf_thres=0.001, iou_thres=0.7)  # scored at quantize's evaluation thresholds (no flags)
@@ -189,7 +194,7 @@ def _quantize(args, device, launch) -> Path | None:
         fp = checkpoint.load_fp(args.weights, task=args.task)
         validate.skip_layers(fp, args.skip_layers)  # before any evaluation
         data = _data(args, ("train", "val"))
-        hyp = load_hyp(args.hyp)
+        args.hyp, hyp = hyp_argument(args.hyp, args.task)
         args.imgsz = check_imgsz(args.imgsz, int(fp.stride.max()))
     recorder = None
     if distributed.is_main():
@@ -220,8 +225,7 @@ def cmd_sensitive(args) -> Path:
     device = _one_process_device(args.device, "sensitive", args.task)
     fp = checkpoint.load_fp(args.weights, task=args.task)
     data = _data(args, ("train", "val"))
-    if args.hyp:
-        load_hyp(args.hyp)
+    if load_hyp(args.hyp) is not None:
         print("notice: --hyp sets the augmentation of QAT fine-tuning; sensitive only calibrates (on images without "
               "augmentation, as quantize does), so it is not used here.")
     args.imgsz = check_imgsz(args.imgsz, int(fp.stride.max()))

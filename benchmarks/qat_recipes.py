@@ -43,7 +43,7 @@ from utils.qat.quantize.finetune import QATConfig  # noqa: E402
 from utils.qat import checkpoint  # noqa: E402
 from utils.qat.atomic import write_text  # noqa: E402
 from utils.qat.backends import TorchBackend  # noqa: E402
-from utils.qat.data import dataloader, images_only, load_data_yaml, load_hyp  # noqa: E402
+from utils.qat.data import dataloader, hyp_argument, images_only, load_data_yaml  # noqa: E402
 from utils.qat.device import select_device  # noqa: E402
 from utils.qat.errors import QATError  # noqa: E402
 from utils.qat.evaluate import evaluate  # noqa: E402
@@ -77,7 +77,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--calib-batches", type=int, default=25)
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--iters", type=int, default=100)
-    p.add_argument("--hyp", default=None, help="augmentation during fine-tuning (upstream hyp yaml)")
+    p.add_argument("--hyp", default=None,
+                   help="augmentation during fine-tuning: an upstream hyp yaml or 'none' (default: qat.py's for the task)")
     p.add_argument("--recipes", nargs="+", required=True)
     p.add_argument("--seed", type=int, default=57)
     p.add_argument("--out", required=True)
@@ -136,7 +137,7 @@ def main(args) -> dict:
     recipes = [(text, parse_recipe(text, args.epochs, args.iters)) for text in args.recipes]
     device = select_device(args.device)
     data = load_data_yaml(args.data, splits=("train", "val"))
-    hyp = load_hyp(args.hyp)
+    args.hyp, hyp = hyp_argument(args.hyp, args.task)
     fp = checkpoint.load_fp(args.weights, task=args.task)
     stride = int(fp.stride.max())
     common = dict(imgsz=args.imgsz, batch_size=args.batch_size, workers=args.workers)

@@ -26,22 +26,36 @@ WEIGHTS=$REPO/weights/gelan-qs-shapes.pt
 TREE=$WORK/yolov9
 RUN=$WORK/runs/quickstart
 IMGSZ=256
+UPSTREAM=github.com/WongKinYiu/yolov9
 
 say() { printf '\n==> %s\n' "$*"; }
 die() { echo "error: $*" >&2; exit 1; }
 
 say "1/6 YOLOv9 tree"
-if [ -d "$TREE" ] && [ -f "$TREE/.yolov9-qat-manifest" ]; then
-    echo "reusing $TREE"
-elif [ -n "${YOLOV9_DIR:-}" ]; then
+# The copy in $TREE is reused only while it came from the same place: $SOURCE records where that was.
+SOURCE=$WORK/yolov9.source
+had=$(cat "$SOURCE" 2>/dev/null || true)
+if [ -n "${YOLOV9_DIR:-}" ]; then
     [ -f "$YOLOV9_DIR/models/yolo.py" ] || die "YOLOV9_DIR=$YOLOV9_DIR is not a YOLOv9 tree (no models/yolo.py); point it at a clone."
-    echo "copying YOLOV9_DIR=$YOLOV9_DIR to $TREE"
-    rm -rf "$TREE" && mkdir -p "$TREE" && cp -a "$YOLOV9_DIR/." "$TREE/"
-    chmod -R u+w "$TREE"
+    want=$(cd "$YOLOV9_DIR" && pwd -P)
 else
-    echo "YOLOV9_DIR is not set: cloning github.com/WongKinYiu/yolov9"
-    timeout 120 git clone --depth 1 -q https://github.com/WongKinYiu/yolov9.git "$TREE" \
-        || die "cloning YOLOv9 failed (no network?); set YOLOV9_DIR to a YOLOv9 clone and run again."
+    want=$UPSTREAM
+fi
+if [ -f "$TREE/.yolov9-qat-manifest" ] && { [ -z "${YOLOV9_DIR:-}" ] || [ "$had" = "$want" ]; }; then
+    echo "reusing $TREE (from ${had:-an unrecorded source}; set YOLOV9_DIR to another clone for a new copy)"
+else
+    [ -d "$TREE" ] && echo "replacing $TREE (it came from ${had:-an unrecorded source}, this run uses $want)"
+    rm -rf "$TREE" "$SOURCE"
+    if [ -n "${YOLOV9_DIR:-}" ]; then
+        echo "copying YOLOV9_DIR=$want to $TREE"
+        mkdir -p "$TREE" && cp -a "$want/." "$TREE/"
+        chmod -R u+w "$TREE"
+    else
+        echo "YOLOV9_DIR is not set: cloning $want"
+        timeout 120 git clone --depth 1 -q "https://$want.git" "$TREE" \
+            || die "cloning YOLOv9 failed (no network?); set YOLOV9_DIR to a YOLOv9 clone and run again."
+    fi
+    echo "$want" > "$SOURCE"
 fi
 
 say "2/6 patch the tree with the yolov9-qat overlay"
@@ -57,10 +71,9 @@ DATA=$WORK/shapes/shapes.yaml
 
 cd "$TREE"
 say "4/6 PTQ calibration + QAT ($EPOCHS epoch(s) x $ITERS batches) of the embedded model, evaluated at each stage"
-# The default recipe (mse calibration, head scales searched, learned scales), shortened for a CPU: 8 calibration
-# batches instead of 25, $EPOCHS x $ITERS fine-tuning steps. Fine-tuning wins back what the short calibration loses
-# (docs/QAT.md, seventh round).
-"$PY" qat.py quantize --weights "$WEIGHTS" --data "$DATA" --hyp data/hyps/hyp.scratch-high.yaml \
+# The default recipe (augmentation, mse calibration, head scales searched, learned scales) cut to a CPU's budget: 8
+# calibration batches instead of 25 and $EPOCHS x $ITERS steps instead of 5 x 100 (docs/QAT.md, "The quickstart").
+"$PY" qat.py quantize --weights "$WEIGHTS" --data "$DATA" \
     --imgsz $IMGSZ --batch-size 16 --device "$DEVICE" --workers 2 --calib-batches 8 \
     --epochs "$EPOCHS" --iters "$ITERS" --project "$WORK/runs" --name quickstart --exist-ok
 QAT=$RUN/weights/qat_best_gelan-qs-shapes.pt
@@ -84,7 +97,7 @@ Files:
   $ONNX                                       the INT8 Q/DQ ONNX for TensorRT
 
 Next, on your own model (from the top of a patched YOLOv9 tree):
-  python3 qat.py quantize --weights yolov9-c-converted.pt --data data/coco.yaml --hyp data/hyps/hyp.scratch-high.yaml --device 0
+  python3 qat.py quantize --weights yolov9-c-converted.pt --data data/coco.yaml --device 0
   python3 export_qat.py --weights runs/qat/exp/weights/qat_best_yolov9-c-converted.pt --include onnx --dynamic --simplify
   ./scripts/val_trt.sh runs/qat/exp/weights/qat_best_yolov9-c-converted.pt data/coco.yaml 640   (needs TensorRT)
 EOF

@@ -1,6 +1,6 @@
 """Quantization-aware training for YOLOv9 segmentation models (INT8, TensorRT-ready): box and mask mAP.
 
-    python3 segment/qat_seg.py quantize  --weights gelan-c-seg.pt --data data/coco.yaml --hyp data/hyps/hyp.scratch-high.yaml
+    python3 segment/qat_seg.py quantize  --weights gelan-c-seg.pt --data data/coco.yaml
     python3 segment/qat_seg.py sensitive --weights gelan-c-seg.pt --data data/coco.yaml --num-image 1000
     python3 segment/qat_seg.py eval      --weights runs/qat_seg/exp/weights/qat_best_gelan-c-seg.pt --data data/coco.yaml
 

@@ -65,6 +65,66 @@ def test_two_processes_write_one_run(bench):
     assert json.loads((out / "runs" / "1proc" / "report.json").read_text())["world_size"] == 1
 
 
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def two_hosts(yolov9_tree, shapes, bench, tmp_path_factory):
+    """The bench's 2-process run again as two "hosts" of one process each: two torchrun launches with
+    ``--nnodes 2`` meeting at a c10d rendezvous on localhost, each with its own node rank (gloo, CPU)."""
+    import importlib.util
+    import subprocess
+    import sys
+    spec = importlib.util.spec_from_file_location("ddp_bench", REPO / "benchmarks" / "ddp.py")
+    ddp_bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ddp_bench)
+    out, _ = bench
+    settings = json.loads((out / "ddp.json").read_text())["settings"]
+    args = ddp_bench.get_args_parser().parse_args(
+        ["--weights", settings["weights"], "--data", settings["data"], "--out", str(out), "--cpu"]
+        + [x for k in ("imgsz", "batch_size", "epochs", "iters", "calib_method", "calib_batches")
+           for x in (f"--{k.replace('_', '-')}", str(settings[k]))] + ["--workers", "2"])
+    project = tmp_path_factory.mktemp("hosts")
+    command = ddp_bench.qat_command(args, 2, project / "runs")
+    argv = command[command.index("qat.py"):]  # the run's own arguments, after torchrun's
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "YOLOV9_QAT_AMAX_DUMP": str(project / "amax")}
+    hosts = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+                               "--node-rank", str(node), "--rdzv-backend", "c10d", "--rdzv-id", "two-hosts",
+                               "--rdzv-endpoint", f"localhost:{port}", *argv],
+                              cwd=yolov9_tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for node in (0, 1)]
+    results = [host.communicate(timeout=2 * TIMEOUT) for host in hosts]
+    for host, (stdout, stderr) in zip(hosts, results):
+        assert host.returncode == 0, stderr[-3000:] + stdout[-3000:]
+    return project, out / "runs" / "2proc", results
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_two_hosts_repeat_the_two_process_run(two_hosts):
+    """One process on each of two "hosts" is the 2-process run of one host: the same files, the same quantizers
+    after calibration, the same QAT weights; rank 0 alone wrote, and printed the results."""
+    project, single_host, results = two_hosts
+    run = project / "runs" / "2proc"
+    assert sorted(p.name for p in (project / "runs").iterdir()) == ["2proc"]
+    names = sorted(p.name for p in (run / "weights").iterdir())
+    assert names == sorted(p.name for p in (single_host / "weights").iterdir())
+    assert json.loads((run / "report.json").read_text())["world_size"] == 2
+    from utils.qat import checkpoint
+    for name in names:
+        a, b = (checkpoint.read(d / "weights" / name)["state_dict"] for d in (run, single_host))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    ranks = [json.loads((project / "amax" / f"amax_rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0] == ranks[1]
+    printed = [stdout for stdout, _ in results if "INT8 QAT vs Origin" in stdout or "| QAT |" in stdout]
+    assert len(printed) == 1  # the results table comes from global rank 0 alone
+
+
 @pytest.mark.slow
 @pytest.mark.ddp
 def test_max_calibration_equals_one_process(bench):

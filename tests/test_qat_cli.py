@@ -17,7 +17,7 @@ IMGSZ = "128"
 def quantize_run(yolov9_tree, shapes, tmp_path_factory):
     project = tmp_path_factory.mktemp("runs")
     r = run_tool(yolov9_tree, "qat.py", "quantize", "--weights", str(QS), "--data", str(shapes),
-                 "--hyp", "data/hyps/hyp.scratch-high.yaml", "--device", "cpu", "--batch-size", "8",
+                 "--device", "cpu", "--batch-size", "8",  # --hyp left out: the default augmentation
                  "--imgsz", IMGSZ, "--project", str(project), "--name", "qs", "--exist-ok", "--iters", "2",
                  "--epochs", "1", "--seed", "57", "--supervision-stride", "2", "--calib-batches", "2",
                  "--calib-method", "percentile", "--workers", "2")
@@ -41,7 +41,7 @@ def test_quantize_writes_every_file(quantize_run):
 
 @pytest.mark.slow
 @pytest.mark.e2e
-def test_quantize_report(quantize_run):
+def test_quantize_report(yolov9_tree, quantize_run):
     run, r = quantize_run
     report = json.loads((run / "report.json").read_text())
     names = [m["name"] for m in report["models"]]
@@ -56,11 +56,17 @@ def test_quantize_report(quantize_run):
     assert report["epochs"] and report["epochs"][0]["epoch"] == 1
     args = report["arguments"]  # the run records every argument it was given, in report.json and checkpoints
     assert args["cmd"] == "quantize" and args["task"] == "detect" and "calib_batches" in args and "lr" in args
+    hyp = yolov9_tree / "data/hyps/hyp.scratch-high.yaml"  # the default, resolved in the tree, printed and recorded
+    assert args["hyp"] == str(hyp)
+    assert f"hyp: {hyp} (augmentation of the fine-tuning images; the default for detect)" in r.stdout
     from utils.qat import checkpoint
     assert checkpoint.read(run / "weights" / "qat_best_gelan-qs-shapes.pt")["args"] == args
     md = (run / "report.md").read_text()
     assert "| Origin |" in md and "INT8 QAT vs Origin" in md and "INT8 PTQ vs Origin" in md
     assert "INT8 QAT vs Origin" in r.stdout  # the console shows the same table
+    for stage in ("Origin", "calibration", "PTQ", "QAT", "QAT epoch 1"):  # each stage's dataset scan: one line
+        scans = [line for line in r.stderr.replace("\r", "\n").splitlines() if line.startswith(f"{stage}: Scanning ")]
+        assert len(scans) == 1, (stage, scans)
 
 
 @pytest.mark.slow

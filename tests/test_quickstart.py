@@ -56,3 +56,38 @@ def test_quickstart_default_folder_outside_the_checkout(tmp_path):
     assert r.returncode == 1 and "is not a YOLOv9 tree" in r.stderr, r.stderr
     assert (tmp_path / "yolov9-qat-quickstart").is_dir()
     assert set(REPO.iterdir()) == before
+
+
+def test_quickstart_copies_again_for_another_yolov9_dir(tmp_path):
+    """A tree copied from clone B is not reused when YOLOV9_DIR names clone A: the quickstart says so and copies A
+    (stopped right after, at the patch step, by a minimal tree that is not a real clone)."""
+    work = tmp_path / "qs"
+    (work / "yolov9").mkdir(parents=True)
+    (work / "yolov9" / ".yolov9-qat-manifest").write_text("from B\n")
+    (work / "yolov9.source").write_text(str(tmp_path / "B") + "\n")
+    clone_a = tmp_path / "A"
+    (clone_a / "models").mkdir(parents=True)
+    (clone_a / "models" / "yolo.py").write_text("# clone A\n")
+    env = {**os.environ, "YOLOV9_DIR": str(clone_a)}
+    r = subprocess.run(["bash", str(REPO / "scripts" / "quickstart.sh"), str(work)], capture_output=True, text=True,
+                       env=env, timeout=60)
+    assert f"replacing {work / 'yolov9'} (it came from {tmp_path / 'B'}, this run uses {clone_a})" in r.stdout, r.stdout
+    assert (work / "yolov9" / "models" / "yolo.py").read_text() == "# clone A\n"
+    assert not (work / "yolov9" / ".yolov9-qat-manifest").exists()  # B's copy is gone; A's was never patched
+    assert (work / "yolov9.source").read_text().strip() == str(clone_a)
+    assert r.returncode != 0  # the minimal tree stops the patch step
+
+
+def test_quickstart_reuses_the_same_copy(tmp_path):
+    """The same YOLOV9_DIR again: the copy is reused, and the run says where it came from."""
+    work = tmp_path / "qs"
+    clone_a = tmp_path / "A"
+    (clone_a / "models").mkdir(parents=True)
+    (clone_a / "models" / "yolo.py").write_text("# clone A\n")
+    (work / "yolov9").mkdir(parents=True)
+    (work / "yolov9" / ".yolov9-qat-manifest").write_text("kept\n")
+    (work / "yolov9.source").write_text(str(clone_a) + "\n")
+    r = subprocess.run(["bash", str(REPO / "scripts" / "quickstart.sh"), str(work)], capture_output=True, text=True,
+                       env={**os.environ, "YOLOV9_DIR": str(clone_a)}, timeout=60)
+    assert f"reusing {work / 'yolov9'} (from {clone_a}; set YOLOV9_DIR to another clone for a new copy)" in r.stdout
+    assert (work / "yolov9" / ".yolov9-qat-manifest").read_text() == "kept\n"

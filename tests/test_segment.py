@@ -165,7 +165,7 @@ def seg_run(yolov9_tree, seg_shapes, tmp_path_factory):
 
 def test_calibration_default_follows_the_task(yolov9_tree):
     """qat.py calibrates with mse and segment/qat_seg.py with mse-image unless --calib-method says otherwise
-    (docs/QAT.md, seventh round: the defaults measured best per task)."""
+    (docs/QAT.md "`mse-image` on the GPU, and the calibration default per task": the defaults measured best per task)."""
     import importlib
     for module, default in (("qat", "mse"), ("segment.qat_seg", "mse-image")):
         parser = importlib.import_module(module).get_args_parser()

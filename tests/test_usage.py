@@ -136,8 +136,26 @@ def test_default_data_without_coco_says_how_to_get_it(yolov9_tree, tmp_path, cap
 
 
 def test_hyp_by_bare_name(yolov9_tree, monkeypatch, tmp_path, capsys):
-    """`--hyp hyp.scratch-high.yaml`, as the reference's README types it, is the tree's data/hyps file."""
-    from utils.qat.data import load_hyp
+    """`--hyp hyp.scratch-high.yaml`, as the reference's README types it, is the tree's data/hyps file, and so is
+    the default `data/hyps/...` from another folder; `none` is no augmentation."""
+    from utils.qat.data import hyp_argument, load_hyp
     monkeypatch.chdir(tmp_path)
     assert load_hyp("hyp.scratch-high.yaml")["lr0"] > 0
-    assert "using data/hyps/hyp.scratch-high.yaml of the YOLOv9 tree" in capsys.readouterr().out
+    shown, hyp = hyp_argument("hyp.scratch-high.yaml")
+    assert shown == str(yolov9_tree / "data/hyps/hyp.scratch-high.yaml") and hyp["mosaic"] > 0
+    assert hyp_argument(None, "detect")[0] == shown  # the detection default, from outside the tree
+    assert hyp_argument("none", "detect") == ("none", None) and hyp_argument(None, "segment") == ("none", None)
+    out = capsys.readouterr().out
+    assert f"hyp: {shown} (augmentation of the fine-tuning images)\n" in out
+    assert f"hyp: {shown} (augmentation of the fine-tuning images; the default for detect)" in out
+    assert "hyp: none (no augmentation of the fine-tuning images; the default for segment)" in out
+
+
+@pytest.mark.parametrize("script, default", [("qat.py", "data/hyps/hyp.scratch-high.yaml"),
+                                             ("segment/qat_seg.py", "none")])
+def test_quantize_help_shows_the_hyp_default(yolov9_tree, script, default):
+    """The measured recipe is the default: `quantize --help` names the augmentation it fine-tunes with."""
+    r = run_tool(yolov9_tree, script, "quantize", "--help")
+    assert r.returncode == 0, r.stderr
+    help_text = " ".join(r.stdout.split())
+    assert f"(default: {default}, as measured for this task in docs/QAT.md)" in help_text, help_text

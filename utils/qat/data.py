@@ -1,8 +1,10 @@
 """Dataset yamls and dataloaders, with one clear sentence for every way a dataset can be wrong."""
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import yaml
@@ -13,6 +15,13 @@ IMAGE_SUFFIXES = {".bmp", ".dng", ".jpeg", ".jpg", ".mpo", ".png", ".tif", ".tif
 TREE = Path(__file__).resolve().parents[2]  # the YOLOv9 tree this file was patched into
 DEFAULT_DATA = "data/coco.yaml"  # --data when left out: the tree's COCO yaml, as upstream val.py and the reference
 HYPS = "data/hyps"
+NO_HYP = "none"  # --hyp none: fine-tune on the images as they are
+# The augmentation of the fine-tuning images per task, as measured. Detection: upstream's hyp.scratch-high, with which
+# every detection default was measured (GELAN-C, GELAN-S, GELAN-QS: docs/QAT.md "The head's scales searched, then
+# QAT"). Segmentation: none, since on GELAN-QS-seg the masks ended lower with it (0.8036 against 0.8064) and the
+# segmentation default was measured without it (docs/QAT.md "The shapes models to the end, and the mask term's weight"
+# and "`mse-image` on the GPU, and the calibration default per task"). Segmentation on natural images is unmeasured.
+DEFAULT_HYPS: dict[str, str | None] = {"detect": f"{HYPS}/hyp.scratch-high.yaml", "segment": None}
 
 
 def data_argument(value: str | None) -> str:
@@ -150,25 +159,55 @@ def dataloader(data: dict, split: str, imgsz: int, batch_size: int, stride: int,
     kwargs = dict(single_cls=False, hyp=hyp, augment=hyp is not None, pad=0.5 if rect else 0.0, rect=rect,
                   workers=min(workers, os.cpu_count() or 1), shuffle=shuffle, prefix=prefix or f"{split}: ",
                   rank=local_rank)
-    if masks:
-        from utils.segment.dataloaders import create_dataloader as create_seg_dataloader
-        loader, dataset = create_seg_dataloader(data[split], imgsz, batch_size, stride, mask_downsample_ratio=1,
-                                                overlap_mask=False, **kwargs)
-    else:
-        from utils.dataloaders import create_dataloader
-        loader, dataset = create_dataloader(data[split], imgsz, batch_size, stride, **kwargs)
+    with _scan_reported_once():
+        if masks:
+            from utils.segment.dataloaders import create_dataloader as create_seg_dataloader
+            loader, dataset = create_seg_dataloader(data[split], imgsz, batch_size, stride, mask_downsample_ratio=1,
+                                                    overlap_mask=False, **kwargs)
+        else:
+            from utils.dataloaders import create_dataloader
+            loader, dataset = create_dataloader(data[split], imgsz, batch_size, stride, **kwargs)
     return (loader if seed is None else _reseeded(loader, seed, local_rank)), dataset
+
+
+@contextlib.contextmanager
+def _scan_reported_once() -> Iterator[None]:
+    """Upstream's dataset scan, reported through ``utils.progress`` while a dataset is built.
+
+    Upstream shows a cached scan with a tqdm bar that it never closes (``tqdm(None, desc=..., initial=n)``): the
+    bar is drawn when made and again when collected, so a log gets every "Scanning ... labels.cache" line twice,
+    and a first scan draws a bar per update. For the time the dataset is built, upstream's dataloaders module
+    takes its bars from here: the cached scan is one line, a first scan one line when it ends (a bar on a
+    terminal, as before). The module's name is restored afterwards; nothing else of upstream changes."""
+    import utils.dataloaders as upstream
+    saved = upstream.tqdm
+    upstream.tqdm = _scan_bar
+    try:
+        yield
+    finally:
+        upstream.tqdm = saved
+
+
+def _scan_bar(iterable=None, desc: str | None = None, total: int | None = None, **kwargs):
+    """What upstream's dataloaders module gets for ``tqdm`` while a dataset is built (``_scan_reported_once``)."""
+    from utils.qat.progress import note, progress
+    if iterable is None:  # the summary of a cached scan, a bar that is drawn and never advanced: one line
+        note(desc or "")
+        return progress(None, disable=True)
+    return progress(iterable, desc=desc, total=total, **kwargs)
 
 
 def _reseeded(loader, seed: int, local_rank: int = -1):
     """``loader`` again, its shuffle and its workers' seeds drawn from ``seed``. Upstream seeds every loader's
     generator with one constant, so the order of the images and every worker's augmentation repeat whatever
     the seed. A distributed sampler takes the seed itself (its permutation is shared by the ranks); the
-    workers' streams differ per rank, as upstream's do."""
+    workers' streams differ per rank, as upstream's do: per global rank, so that the processes of several hosts
+    (each with its local ranks 0, 1, ...) draw streams of their own, and a launch repeats its single-host run."""
     import torch
     from torch.utils.data import DistributedSampler, RandomSampler
+    rank = torch.distributed.get_rank() if local_rank >= 0 and torch.distributed.is_initialized() else 0
     generator = torch.Generator()
-    generator.manual_seed(seed + max(local_rank, 0))
+    generator.manual_seed(seed + rank)
     sampler = loader.sampler if isinstance(loader.sampler, DistributedSampler) else None
     if sampler is not None:
         sampler.seed = seed
@@ -198,16 +237,41 @@ def check_polygons(data: dict, splits: tuple[str, ...] = ("val",)) -> None:
                            "coco-segments or scripts/make_shapes_dataset.py --task segment.")
 
 
+def hyp_argument(value: str | None, task: str = "detect") -> tuple[str, dict | None]:
+    """``quantize``'s ``--hyp``: the file used (``"none"`` for no augmentation) and its contents; prints which."""
+    default = DEFAULT_HYPS[task] or NO_HYP
+    value = value or default
+    path = _hyp_path(value)
+    hyp = load_hyp(path)
+    shown = NO_HYP if path is None else str(path)
+    what = "no augmentation of the fine-tuning images" if hyp is None else "augmentation of the fine-tuning images"
+    print(f"hyp: {shown} ({what}{'; the default for ' + task if value == default else ''})")
+    return shown, hyp
+
+
+def _hyp_path(value: str | os.PathLike | None) -> Path | None:
+    """Where a ``--hyp`` value points: as given, else inside the YOLOv9 tree (``data/hyps/...`` typed from
+    another folder, or a bare name as in the reference's ``--hyp hyp.scratch-high.yaml``)."""
+    if value is None or str(value).lower() == NO_HYP:
+        return None
+    path = Path(value)
+    if path.is_file():
+        return path.resolve()  # recorded in report.json: the file, wherever the run was started
+    if not path.is_absolute():
+        for inside in (TREE / path, TREE / HYPS / path.name if not path.parent.name else None):
+            if inside is not None and inside.is_file():
+                return inside
+    return path
+
+
 def load_hyp(path: str | os.PathLike | None) -> dict | None:
-    """Hyperparameters for augmentation during QAT (upstream hyp yaml), or None."""
+    """Hyperparameters for augmentation during QAT (upstream hyp yaml), or None (``None`` or ``"none"``)."""
+    path = _hyp_path(path)
     if path is None:
         return None
-    path = Path(path)
-    if not path.is_file() and not path.parent.name and (TREE / HYPS / path.name).is_file():
-        path = TREE / HYPS / path.name  # a bare name, as in the reference's `--hyp hyp.scratch-high.yaml`
-        print(f"notice: --hyp {path.name} is not in the current folder; using {HYPS}/{path.name} of the YOLOv9 tree.")
     if not path.is_file():
-        raise QATError(f"hyperparameter file not found: {path}; pass --hyp data/hyps/hyp.scratch-high.yaml or omit it.")
+        raise QATError(f"hyperparameter file not found: {path}; pass --hyp {DEFAULT_HYPS['detect']}, a yaml of "
+                       f"yours, or --hyp {NO_HYP} for no augmentation.")
     hyp = yaml.safe_load(path.read_text())
     if not isinstance(hyp, dict):
         raise QATError(f"{path} is not a hyperparameter yaml (expected key: value pairs such as mosaic: 1.0).")

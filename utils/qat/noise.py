@@ -22,6 +22,11 @@ LOG_RECORDS = (
     ("torch.utils.cpp_extension", "No CUDA runtime is found",
      "modelopt imports torch.utils.cpp_extension, which logs this on every CPU-only machine with a "
      "CUDA toolkit folder; nothing is compiled"),
+    ("yolov5", "\x1b[34m\x1b[1malbumentations: \x1b[0m1 validation error for InitSchema",
+     "YOLOv9's utils/augmentations.py builds its Albumentations list with albumentations 1.x arguments; 2.x "
+     "refuses them (a pydantic error, once per dataloader with --hyp) and upstream then trains without that list, "
+     "whose transforms run on 1 % of images or never (blur, median blur, gray, CLAHE). `pip install "
+     "'albumentations<2'` brings them back"),
 )
 
 

@@ -22,6 +22,13 @@ def progress(iterable=None, **kwargs):
     return tqdm(iterable, **kwargs)
 
 
+def note(line: str, file=None) -> None:
+    """One line of progress news (on stderr, as the bars): nothing where ``progress`` draws nothing."""
+    if os.environ.get("YOLOV9_QAT_QUIET") == "1" or secondary_rank():
+        return
+    print(line, file=file or sys.stderr, flush=True)
+
+
 def _is_terminal(stream) -> bool:
     try:
         return bool(stream.isatty())

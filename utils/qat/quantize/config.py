@@ -15,13 +15,15 @@ from utils.qat.errors import QATError
 
 CALIB_METHODS = ("max", "percentile", "mse", "entropy", "mse-image")  # mse-image: every image weighs alike
 DEFAULT_CALIB_METHOD = "mse"  # detection models
-# Per task, as measured (docs/QAT.md, seventh round): mse-image keeps the shapes segmentation set's few outlier images
-# from stretching the scales (QAT mask 0.8239 / 0.8230 against 0.8064 from mse); on the three detection models mse calibrates
-# higher (PTQ +0.0003 to +0.0017) and GELAN-C ends higher from it.
+# Per task, as measured (docs/QAT.md "`mse-image` on the GPU, and the calibration default per task"): mse-image keeps
+# the shapes segmentation set's few outlier images from stretching the scales (QAT mask 0.8239 / 0.8230 against
+# 0.8064 from mse); on the three detection models mse calibrates higher (PTQ +0.0003 to +0.0017) and GELAN-C ends
+# higher from it.
 DEFAULT_CALIB_METHODS = {"detect": DEFAULT_CALIB_METHOD, "segment": "mse-image"}
 DEFAULT_PERCENTILE = 99.99
 HEAD_AMAX = ("calibrated", "search")  # the detect head's input scales: as calibrated, or searched (head.py)
-DEFAULT_HEAD_AMAX = "search"  # docs/QAT.md, fourth round: GELAN-C and GELAN-S end best from the searched scales
+# GELAN-C and GELAN-S end best from the searched scales (docs/QAT.md "The head's scales searched, then QAT")
+DEFAULT_HEAD_AMAX = "search"
 
 
 @dataclass(frozen=True)

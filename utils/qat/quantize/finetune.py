@@ -29,7 +29,8 @@ OPTIMIZERS = ("adamw", "adam", "sgd")
 @dataclass
 class QATConfig:
     """How fine-tuning runs. The defaults are the recipe measured best (docs/QAT.md: ``benchmarks/qat_recipes.py``
-    and ``benchmarks/reference.py`` on GELAN-C and GELAN-S; it is meant to run with ``--hyp``'s augmentation)."""
+    and ``benchmarks/reference.py`` on GELAN-C and GELAN-S, with upstream's augmentation: ``qat.py``'s ``--hyp``
+    default for detection)."""
     epochs: int = 5
     iters: int = 100  # optimisation steps per epoch
     lr: float = 3e-5
@@ -43,7 +44,9 @@ class QATConfig:
     amax_lr: float = 1e-3  # learn activation amax (LSQ) at this rate relative to each amax; 0: calibrated amax kept
     bias_lr: float = 1.0  # the biases' learning rate is lr times this
     box_gain: float = 1.0  # weight of the head objective's box term (head.box)
-    mask_gain: float = 5.0  # weight of its masks term (head.masks: segmentation heads only; docs/QAT.md, fifth round)
+    # weight of its masks term (head.masks: segmentation heads only; docs/QAT.md "The shapes models to the end,
+    # and the mask term's weight")
+    mask_gain: float = 5.0
 
 
 @dataclass

@@ -3,7 +3,7 @@
     result = search_head_amax(qmodel, batches, groups)   # after calibration, on a few calibration batches
 
 Calibration gives every activation quantizer the amax that minimises that tensor's own error. On GELAN-C
-the head's input quantizers carry about three quarters of the INT8 loss (docs/QAT.md, third round), and
+the head's input quantizers carry about three quarters of the INT8 loss (docs/QAT.md "Where the INT8 loss sits, and the evaluation with TF32 off"), and
 what matters there is the error of the head's outputs, not of its inputs. This search keeps the network
 before the head as calibrated, runs it once per batch (quantized, and with every quantizer off: the FP
 reference), and then tries multiples of each head input quantizer's amax in turn (coordinate descent in
