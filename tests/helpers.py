@@ -11,6 +11,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from utils.qat.yolov9 import reinit  # noqa: F401  (the tests' random weights; the tree is on sys.path)
+
 # A tiny GELAN touching every quantizer kind: Conv, RepNCSPELAN4 (residual Add, internal cat),
 # AConv and ADown (avg/max pool), SPPELAN (MaxPool), Upsample, Concat, DDetect.
 TINY_GELAN = {
@@ -50,28 +52,6 @@ def real_images(folder: Path, n: int, size: int) -> torch.Tensor:
     files = sorted(p for p in Path(folder).iterdir() if p.suffix.lower() in {".jpg", ".png"})[:n]
     ims = [cv2.resize(cv2.imread(str(p)), (size, size))[:, :, ::-1].transpose(2, 0, 1) for p in files]
     return torch.from_numpy(np.ascontiguousarray(np.stack(ims))).float() / 255
-
-
-@torch.no_grad()
-def reinit(model: nn.Module, seed: int = 0) -> nn.Module:
-    """Re-initialise convs (Kaiming) and BatchNorm (non-trivial statistics) so activations stay O(1).
-
-    A default-initialised YOLOv9 model has activations around 1e-9 deep in the network, below the
-    quantizer's amax epsilon, so fake-quant would output zeros.
-    """
-    g = torch.Generator().manual_seed(seed)
-    for m in model.modules():
-        if isinstance(m, nn.Conv2d) and m.weight.requires_grad:
-            fan_in = m.weight[0].numel()
-            m.weight.copy_(torch.randn(m.weight.shape, generator=g) * (2.0 / fan_in) ** 0.5)
-            if m.bias is not None:
-                m.bias.copy_(torch.randn(m.bias.shape, generator=g) * 0.1)
-        elif isinstance(m, nn.BatchNorm2d):
-            m.weight.copy_(1 + 0.1 * torch.randn(m.weight.shape, generator=g))
-            m.bias.copy_(0.1 * torch.randn(m.bias.shape, generator=g))
-            m.running_mean.copy_(0.1 * torch.randn(m.running_mean.shape, generator=g))
-            m.running_var.copy_(1 + 0.1 * torch.rand(m.running_var.shape, generator=g))
-    return model.eval()
 
 
 def build(cfg, nc: int | None = None, seed: int = 0) -> nn.Module:

@@ -138,14 +138,16 @@ def finetune(model: nn.Module, teacher: nn.Module, batches: Callable[[], Iterabl
              device: torch.device | str = "cpu", amp: bool | None = None, hyp: dict | None = None,
              on_epoch_start: Callable[[int], None] | None = None,
              on_epoch_end: Callable[[EpochResult], None] | None = None,
-             scale_groups: list[list[str]] | None = None) -> list[EpochResult]:
+             scale_groups: list[list[str]] | None = None,
+             on_step: Callable[[int], None] | None = None) -> list[EpochResult]:
     """Fine-tune the fake-quantized ``model`` towards ``teacher`` (and/or the labels) per ``config``.
 
     Optimiser over every trainable parameter, and with ``config.amax_lr`` the activation amax too
     (``utils/qat/quantize/amax.py``; ``scale_groups``: the calibration's shared-scale groups, traced on the first
     batch when not given); linear warm-up then cosine decay, AMP on CUDA by default. ``hyp``: upstream hyp yaml
     values for the ``task`` objective's loss gains. ``on_epoch_start(epoch)`` runs before every epoch (e.g. a
-    sampler's ``set_epoch``), ``on_epoch_end`` after every epoch (evaluate, save).
+    sampler's ``set_epoch``), ``on_epoch_end`` after every epoch (evaluate, save), ``on_step(step)`` after every
+    optimisation step, counted over all epochs (``benchmarks/cost.py`` times the steps with it).
 
     In a multi-GPU run (process group joined) every rank calls this with its own shard of each global batch
     and its own copy of the teacher. The student is wrapped in DistributedDataParallel, which averages the
@@ -239,6 +241,8 @@ def finetune(model: nn.Module, teacher: nn.Module, batches: Callable[[], Iterabl
                     sums[k] = sums.get(k, 0.0) + float(v.detach())
                 steps += 1
                 bar.set_postfix(loss=f"{running / steps:.5f}")
+                if on_step is not None:
+                    on_step(epoch * config.iters + steps - 1)
             means = {k: round(distributed.all_reduce_mean(v / max(steps, 1)), 6) for k, v in sums.items()}
             result = EpochResult(epoch, distributed.all_reduce_mean(running / max(steps, 1)), time.time() - start,
                                  terms=means, steps=steps, amax=learned.summary() if learned is not None else {})

@@ -1,0 +1,538 @@
+"""What QAT costs against FP training, per model size, on one device: seconds per step and peak memory of
+upstream train.py's FP step and of our QAT step (``ratio`` = QAT / FP), calibration seconds per method and
+of the head amax search, evaluation images per second (FP against fake-quant), and optionally the data
+loader alone. Every phase runs on the same batches, read once and kept in memory, so the steps time the
+model's work, not the loader's (``--loader-batches`` times that separately). Random weights
+(``utils.qat.yolov9.reinit``): time and memory do not depend on them.
+
+Run from the top of a patched YOLOv9 tree (writes cost-<device>.json, .md and .png into --out):
+
+    python3 /path/to/yolov9-qat/benchmarks/cost.py --data data/coco.yaml --imgsz 640 --batch-size 16 \\
+        --warmup 3 --steps 12 --calib-batches 8 --loader-batches 20
+
+- FP step: as upstream train.py runs it (its global seeding with deterministic kernels, SGD with
+  ``smart_optimizer``'s parameter groups and the batch-scaled weight decay, AMP autocast + GradScaler, the loss
+  of ``utils/loss_tal.py`` (scaled by the batch), an optimizer step with gradient clipping and the ModelEMA
+  update every ``--accumulate`` batches (upstream's 64 / batch)). Its mean is the amortised step; make
+  ``--steps`` a multiple of ``--accumulate``.
+- QAT step: ``utils.qat.quantize.finetune.finetune`` with the default QATConfig (teacher forward, EMA, learned
+  amax included), from the default calibration plus the head search where both are measured.
+- A step's time runs from the end of the previous step to its own end (the device synchronised), so the first
+  ``--warmup`` steps are left out; median and mean are reported. Peak memory is
+  ``torch.cuda.max_memory_allocated`` of the phase, reset before it.
+
+A model the tree cannot build (the stand-in tree lacks ELAN1: gelan-t, gelan-s) is skipped with a note; one that
+runs out of memory keeps what was measured and says in which phase.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import gc
+import json
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.getcwd())
+from utils.qat import compat  # noqa: E402
+
+compat.apply()
+
+import torch  # noqa: E402
+
+from utils.qat import yolov9  # noqa: E402
+from utils.qat.atomic import atomic_path, write_text  # noqa: E402
+from utils.qat.data import TREE, check_imgsz, dataloader, load_data_yaml, load_hyp  # noqa: E402
+from utils.qat.device import select_device  # noqa: E402
+from utils.qat.errors import QATError, run_cli  # noqa: E402
+from utils.qat.progress import progress  # noqa: E402
+from utils.qat.quantize.config import CALIB_METHODS, DEFAULT_CALIB_METHOD, QuantConfig  # noqa: E402
+from utils.qat.validate import Range, check_args, check_value  # noqa: E402
+
+SIZES = ("gelan-t", "gelan-s", "gelan-m", "gelan-c", "gelan-e")
+HEAD_SEARCH = "head-search"
+METHODS = (*CALIB_METHODS, HEAD_SEARCH)
+NBS = 64  # upstream train.py's nominal batch: it accumulates gradients over round(64 / batch) batches
+GIB = 2 ** 30
+
+
+def get_args_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=list(SIZES),
+                   help="model yamls: names in the tree's models/detect (gelan-c) or paths")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--data", help="dataset yaml: the batches are its first training batches")
+    src.add_argument("--synthetic", action="store_true", help="random images and boxes instead of a dataset")
+    p.add_argument("--hyp", default="hyp.scratch-high.yaml",
+                   help="upstream hyp yaml: the FP loss and optimizer, and the loader's augmentation")
+    p.add_argument("--imgsz", type=int, default=640)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--device", default="", help="one device: 0, cuda:1, cpu (default: the first GPU)")
+    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=3, help="steps (and evaluation batches) left out of the timing")
+    p.add_argument("--steps", type=int, default=12, help="timed steps of each loop")
+    p.add_argument("--accumulate", type=int, default=None, help="FP: batches per optimizer step (default: upstream's)")
+    p.add_argument("--calib-batches", type=int, default=8)
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS),
+                   help="calibrations to time (entropy: minutes with modelopt's own computation)")
+    p.add_argument("--loader-batches", type=int, default=0, help="time the data loader alone over this many batches")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    p.add_argument("--tag", default=None, help="file name tag (default: from the device, e.g. h100)")
+    return p
+
+
+def check(args: argparse.Namespace) -> None:
+    check_args(args)
+    check_value("--warmup", args.warmup, Range(1, hint="a step's time needs the end of the one before"))
+    check_value("--steps", args.steps, Range(1))
+    check_value("--accumulate", args.accumulate, Range(1))
+    check_value("--loader-batches", args.loader_batches, Range(0))
+    if not set(args.methods) & set(CALIB_METHODS):
+        raise QATError(f"--methods {' '.join(args.methods)} has no calibration method, but QAT starts from a "
+                       f"calibrated model; add one of {', '.join(CALIB_METHODS)}.")
+    if args.synthetic and args.loader_batches:
+        raise QATError("--loader-batches times the dataset's loader, and --synthetic has none; pass --data instead.")
+
+
+def model_yaml(name: str) -> Path:
+    path = Path(name)
+    if path.suffix not in (".yaml", ".yml"):
+        path = TREE / "models" / "detect" / f"{name}.yaml"
+    if not path.is_file():
+        raise QATError(f"--models {name}: {path} not found; name a yaml of the tree's models/detect "
+                       f"(e.g. {', '.join(SIZES)}) or pass a yaml path.")
+    return path
+
+
+def build(path: Path, nc: int | None, seed: int) -> torch.nn.Module | str:
+    """The model with random weights, or why it cannot be measured (one line)."""
+    try:
+        model = yolov9.build(path, nc)
+    except Exception as e:  # noqa: BLE001  (a yaml the tree's modules cannot build, e.g. ELAN1 in the stand-in)
+        return f"the tree cannot build it ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    head = type(yolov9.head(model)).__name__
+    if head not in ("Detect", "DDetect"):
+        return f"its {head} head is not a single detection head (the FP step uses utils/loss_tal.py)"
+    model.names = {i: str(i) for i in range(yolov9.num_classes(model))}
+    return yolov9.reinit(model, seed)
+
+
+# ---- the batches -------------------------------------------------------------------------------------
+
+def dataset_batches(data: dict, args: argparse.Namespace, hyp: dict, stride: int, n: int) -> list[tuple]:
+    """The first ``n`` training batches (upstream's training loader with ``hyp``'s augmentation), images uint8."""
+    loader, _ = dataloader(data, "train", args.imgsz, args.batch_size, stride, workers=args.workers, rect=False,
+                           shuffle=True, hyp=hyp, seed=args.seed, prefix="cost: ")
+    batches: list[tuple] = []
+    while len(batches) < n:
+        before = len(batches)
+        for im, targets, *_ in progress(loader, desc="reading the batches"):
+            batches.append((im, targets))
+            if len(batches) == n:
+                break
+        if len(batches) == before:
+            raise QATError("the training split gave no batches; check the 'train' entry of the dataset yaml.")
+    return batches
+
+
+def synthetic_batches(args: argparse.Namespace, nc: int, n: int, boxes: int = 8) -> list[tuple]:
+    """Random uint8 images and ``boxes`` random labels per image (image, class, x, y, w, h; normalised)."""
+    g = torch.Generator().manual_seed(args.seed)
+    b, s = args.batch_size, args.imgsz
+    out = []
+    for _ in range(n):
+        images = torch.randint(0, 256, (b, 3, s, s), dtype=torch.uint8, generator=g)
+        index = torch.arange(b).repeat_interleave(boxes)[:, None].float()
+        cls = torch.randint(0, nc, (b * boxes, 1), generator=g).float()
+        xy = 0.2 + 0.6 * torch.rand(b * boxes, 2, generator=g)
+        wh = 0.05 + 0.3 * torch.rand(b * boxes, 2, generator=g)
+        out.append((images, torch.cat([index, cls, xy, wh], 1)))
+    return out
+
+
+def loader_rate(data: dict, args: argparse.Namespace, hyp: dict, stride: int) -> dict:
+    """Images per second of the training loader alone (``--workers``, ``hyp``'s augmentation), after ``--warmup``
+    batches (the workers' start)."""
+    loader, _ = dataloader(data, "train", args.imgsz, args.batch_size, stride, workers=args.workers, rect=False,
+                           shuffle=True, hyp=hyp, seed=args.seed, prefix="loader: ")
+    total = args.warmup + args.loader_batches
+    times: list[float] = []
+    while len(times) < total:
+        for _ in progress(loader, desc="data loader alone"):
+            times.append(time.perf_counter())
+            if len(times) == total:
+                break
+    seconds = times[-1] - times[args.warmup - 1]
+    return {"images_per_second": round(args.loader_batches * args.batch_size / seconds, 1),
+            "batches": args.loader_batches, "workers": loader.num_workers}
+
+
+# ---- measuring ---------------------------------------------------------------------------------------
+
+class StepTimer:
+    """Called at the end of every step: each step's seconds since the end of the one before (the device
+    synchronised), the first ``warmup`` steps left out."""
+
+    def __init__(self, device: torch.device, warmup: int):
+        self.device, self.warmup, self.ends = device, warmup, []
+
+    def __call__(self, step: int | None = None) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.ends.append(time.perf_counter())
+
+    def seconds(self) -> list[float]:
+        ends = self.ends[self.warmup - 1:]
+        return [b - a for a, b in zip(ends, ends[1:])]
+
+    def summary(self) -> dict:
+        s = self.seconds()
+        return {"median": round(statistics.median(s), 4), "mean": round(statistics.fmean(s), 4), "steps": len(s)}
+
+
+@contextlib.contextmanager
+def peak_memory(device: torch.device, record: dict):
+    """``record["peak_memory_gib"]``: the most device memory allocated by tensors inside the block, and
+    ``record["peak_reserved_gib"]``: the most the caching allocator held (what has to fit on the GPU, less the CUDA
+    context); GiB, None on the CPU."""
+    gc.collect()
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    yield
+    record["peak_memory_gib"] = round(torch.cuda.max_memory_allocated(device) / GIB, 2) if cuda else None
+    record["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved(device) / GIB, 2) if cuda else None
+
+
+def timed(device: torch.device, fn) -> tuple[float, object]:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    result = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return round(time.perf_counter() - start, 2), result
+
+
+@contextlib.contextmanager
+def upstream_seeding(seed: int):
+    """train.py's global state while it trains: ``init_seeds(seed, deterministic=True)`` (deterministic
+    algorithms and cuDNN kernels); put back afterwards, as our QAT runs without them. An op without a deterministic
+    kernel warns instead of failing the run (the same kernels wherever upstream's training runs at all)."""
+    from utils.general import init_seeds
+    saved = torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic
+    init_seeds(seed, deterministic=True)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0])
+        torch.backends.cudnn.deterministic = saved[1]
+
+
+def fp_training(fp: torch.nn.Module, batches: list[tuple], hyp: dict, device: torch.device,
+                args: argparse.Namespace, desc: str) -> dict:
+    """Upstream train.py's training step, per batch (its lines, without the data loading and logging)."""
+    from utils.loss_tal import ComputeLoss
+    from utils.torch_utils import ModelEMA, smart_optimizer
+    record: dict = {}
+    accumulate = args.accumulate
+    amp = device.type == "cuda"
+    with upstream_seeding(args.seed), peak_memory(device, record):
+        model = copy.deepcopy(fp).to(device)
+        hyp = dict(hyp, weight_decay=hyp["weight_decay"] * args.batch_size * accumulate / NBS)
+        optimizer = smart_optimizer(model, "SGD", hyp["lr0"], hyp["momentum"], hyp["weight_decay"])
+        ema = ModelEMA(model)
+        model.nc, model.hyp = yolov9.num_classes(model), hyp
+        scaler = torch.amp.GradScaler(device.type, enabled=amp)
+        compute_loss = ComputeLoss(model)
+        timer = StepTimer(device, args.warmup)
+        model.train()
+        optimizer.zero_grad()
+        last_opt_step, mloss = -1, torch.zeros(3, device=device)
+        for i, (imgs, targets) in enumerate(progress(batches, desc=f"{desc}: FP training")):
+            imgs = imgs.to(device, non_blocking=True).float() / 255
+            with torch.autocast(device.type, enabled=amp):
+                pred = model(imgs)
+                loss, loss_items = compute_loss(pred, targets.to(device))
+            scaler.scale(loss).backward()
+            if i - last_opt_step >= accumulate:
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=10.0)
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad()
+                ema.update(model)
+                last_opt_step = i
+            mloss = (mloss * i + loss_items) / (i + 1)
+            timer(i)
+        del model, ema, optimizer
+    return {"seconds_per_step": timer.summary(), **record}
+
+
+def calibrations(fp: torch.nn.Module, batches: list[tuple], device: torch.device, args: argparse.Namespace,
+                 record: dict):
+    """Each --methods calibration on the same first ``--calib-batches`` batches, then the head search on the
+    model QAT starts from (the default method's where measured). Returns that model and its QuantInfo."""
+    import dataclasses
+
+    from utils.qat.quantize.head import SEARCH_BATCHES, search_head_amax
+    from utils.qat.quantize.model_quant import calibrate, prepare
+    from utils.qat.quantize.state import enabled_quantizers
+    methods = [m for m in args.methods if m in CALIB_METHODS]
+    start_from = DEFAULT_CALIB_METHOD if DEFAULT_CALIB_METHOD in methods else methods[0]
+    calib = batches[:args.calib_batches]
+    images = lambda: (im.to(device, non_blocking=True).float() / 255 for im, _ in calib)  # noqa: E731
+    seconds, peaks, kept = {}, {}, None
+    for method in methods:
+        config = QuantConfig(method=method, head_amax="calibrated")
+        qmodel, info = prepare(fp, config)
+        with peak_memory(device, peaks.setdefault(method, {})):
+            qmodel.to(device)
+            seconds[method], (groups, _) = timed(device, lambda: calibrate(qmodel, images(), config,
+                                                                          num_batches=len(calib)))
+        if method == start_from:
+            kept = qmodel.cpu(), dataclasses.replace(info, scale_groups=groups)
+        del qmodel
+    qmodel, info = kept
+    qmodel.to(device)
+    if HEAD_SEARCH in args.methods:
+        search = [im.to(device).float() / 255 for im, _ in calib[:SEARCH_BATCHES]]
+        seconds[HEAD_SEARCH], found = timed(device, lambda: search_head_amax(qmodel, search, info.scale_groups))
+        info = dataclasses.replace(info, config=dataclasses.replace(info.config, head_amax="search"), head_search=found)
+    record.update(calibration_seconds=seconds, calibration_batches=len(calib),
+                  calibration_peak_memory_gib=max(p["peak_memory_gib"] or 0 for p in peaks.values()) or None,
+                  quantizers=len(enabled_quantizers(qmodel)))
+    qmodel.names = fp.names
+    return qmodel, info
+
+
+def qat_training(qmodel: torch.nn.Module, info, fp: torch.nn.Module, batches: list[tuple], hyp: dict,
+                 device: torch.device, args: argparse.Namespace) -> dict:
+    """The library's QAT loop (``finetune``, default QATConfig) for one epoch of exactly the batches."""
+    from utils.general import init_seeds
+    from utils.qat.quantize.finetune import QATConfig, finetune
+    from utils.qat.quantize.model_quant import fuse
+    from utils.qat.quantize.objectives import needs_labels
+    config = QATConfig(epochs=1, iters=len(batches))
+    labels = needs_labels(config.objective)
+    feed = [(im, targets, None) if labels else im for im, targets in batches]
+    init_seeds(args.seed)  # as qat.py seeds a run
+    record: dict = {}
+    timer = StepTimer(device, args.warmup)
+    with peak_memory(device, record):
+        teacher = fuse(copy.deepcopy(fp))
+        finetune(qmodel, teacher, lambda: feed, config, device=device, hyp=hyp, scale_groups=info.scale_groups,
+                 on_step=timer)
+        del teacher
+    return {"seconds_per_step": timer.summary(), **record, "objective": config.objective,
+            "calibration": info.config.method + (" + head search" if info.config.head_amax == "search" else "")}
+
+
+def images_per_second(model: torch.nn.Module, batches: list[tuple], device: torch.device, warmup: int,
+                      desc: str) -> float:
+    """Inference forwards (the evaluator's TorchBackend) over the batches: images per second after ``warmup``."""
+    from utils.qat.backends import TorchBackend
+    backend = TorchBackend(model, device)
+    timer = StepTimer(device, warmup)
+    for i, (im, _) in enumerate(progress(batches, desc=desc)):
+        backend(im.to(device, non_blocking=True).float() / 255)
+        timer(i)
+    return round(len(batches[0][0]) / statistics.fmean(timer.seconds()), 1)
+
+
+def measure(name: str, fp: torch.nn.Module, batches: list[tuple], hyp: dict, device: torch.device,
+            args: argparse.Namespace) -> dict:
+    """Every phase for one model; an out-of-memory error ends the model's phases, keeping what was measured."""
+    from utils.qat.quantize.model_quant import fuse
+    record: dict = {"model": name, "parameters": sum(p.numel() for p in fp.parameters())}
+    phase = "FP training"
+    try:
+        record["fp"] = fp_training(fp, batches, hyp, device, args, name)
+        phase = "calibration"
+        qmodel, info = calibrations(fp, batches, device, args, record)
+        phase = "QAT"
+        record["qat"] = qat_training(qmodel, info, fp, batches, hyp, device, args)
+        fp_mean, qat_mean = record["fp"]["seconds_per_step"]["mean"], record["qat"]["seconds_per_step"]["mean"]
+        record["ratio"] = round(qat_mean / fp_mean, 3)
+        phase = "evaluation"
+        record["eval_images_per_second"] = {
+            "fp": images_per_second(fuse(copy.deepcopy(fp)), batches, device, args.warmup, f"{name}: FP evaluation"),
+            "fake_quant": images_per_second(qmodel, batches, device, args.warmup, f"{name}: fake-quant evaluation")}
+    except torch.cuda.OutOfMemoryError:
+        record["error"] = f"out of memory in {phase} at batch {args.batch_size}"
+    finally:
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return record
+
+
+# ---- the report --------------------------------------------------------------------------------------
+
+def machine(device: torch.device) -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        modelopt = version("nvidia-modelopt")
+    except PackageNotFoundError:
+        modelopt = None
+    info = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({os.cpu_count()} cores)",
+            "torch": torch.__version__, "cuda": torch.version.cuda, "modelopt": modelopt,
+            "python": platform.python_version()}
+    if device.type == "cuda":
+        info["device_memory_gib"] = round(torch.cuda.get_device_properties(device).total_memory / GIB, 1)
+    return info
+
+
+def device_tag(device: torch.device) -> str:
+    """File name tag of the device: the GPU's model number (h100, a100, l40s), else its name; cpu."""
+    if device.type != "cuda":
+        return "cpu"
+    name = torch.cuda.get_device_name(device)
+    found = re.search(r"\b([A-Z]{1,2}\d{2,4}[A-Z]?)\b", name)
+    if found:
+        return found.group(1).lower()
+    return re.sub(r"[^a-z0-9]+", "-", name.lower().replace("nvidia", "")).strip("-")
+
+
+def _cell(value, fmt: str = "{}") -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def _step(phase: dict) -> str:
+    return f"{phase['seconds_per_step']['median']:.3f} / {phase['seconds_per_step']['mean']:.3f}" if phase else "-"
+
+
+def _peak(phase: dict) -> str:
+    return "-" if phase.get("peak_memory_gib") is None else f"{phase['peak_memory_gib']} ({phase['peak_reserved_gib']})"
+
+
+def render(result: dict) -> str:
+    s, m = result["settings"], result["machine"]
+    methods = [k for k in METHODS if any(k in r.get("calibration_seconds", {}) for r in result["models"])]
+    lines = [f"# What QAT costs: {m['device']}, {s['imgsz']} px, batch {s['batch_size']}", "",
+             f"Seconds per step: median / mean of {s['steps']} steps after {s['warmup']} (the device synchronised), "
+             f"on the same batches ({s['data'] or 'synthetic'}, augmentation {s['hyp']}). FP: upstream train.py's "
+             f"step (optimizer every {s['accumulate']} batches, deterministic kernels as it sets them); QAT: "
+             "`finetune` with the default QATConfig; QAT/FP: the ratio of the means. Peak GiB: the most allocated "
+             "by tensors in the phase (in brackets: held by the caching allocator). Calibration: seconds for "
+             f"{s['calib_batches']} batches. Evaluation: inference forwards (the evaluator's TorchBackend), images "
+             "per second.", "",
+             "| model | parameters (M) | quantizers (enabled) | FP s/step | QAT s/step | QAT/FP | FP peak GiB | QAT peak GiB | "
+             + " | ".join(f"{k} s" for k in methods) + " | eval img/s FP / fake-quant |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(methods) + "---:|"]
+    for r in result["models"]:
+        fp, qat, ev = r.get("fp", {}), r.get("qat", {}), r.get("eval_images_per_second")
+        cells = [r["model"], f"{r['parameters'] / 1e6:.1f}", _cell(r.get("quantizers")), _step(fp), _step(qat),
+                 _cell(r.get("ratio"), "{:.2f}x"), _peak(fp), _peak(qat),
+                 *(_cell(r.get("calibration_seconds", {}).get(k)) for k in methods),
+                 f"{ev['fp']} / {ev['fake_quant']}" if ev else "-"]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    lines += [f"- {r['model']}: {r['error']}." for r in result["models"] if "error" in r]
+    lines += [f"- {name} skipped: {why}." for name, why in result["skipped"].items()]
+    if result.get("loader"):
+        ld = result["loader"]
+        lines.append(f"- Data loader alone: {ld['images_per_second']} images/s ({ld['workers']} workers, "
+                     f"{ld['batches']} batches, augmentation {s['hyp']}); a step waits for data where the loader "
+                     "gives fewer images per second than batch / step seconds.")
+    lines.append("- Machine: " + ", ".join(f"{k} {v}" for k, v in m.items()))
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, png: Path) -> Path:
+    """Seconds per step (FP, QAT) and peak memory against parameters, one point per model."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [r for r in result["models"] if "fp" in r and "qat" in r]
+    params = [r["parameters"] / 1e6 for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4), dpi=120)
+    for ax, value, label in ((left, lambda d: d["seconds_per_step"]["mean"], "seconds per step (mean)"),
+                             (right, lambda d: d["peak_memory_gib"], "peak memory (GiB)")):
+        ax.set_xscale("log")
+        ax.set_xlabel("parameters (M)")
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+        if any(value(r["qat"]) is None for r in rows):  # the CPU counts no peak memory
+            ax.text(0.5, 0.5, "not measured on this device", transform=ax.transAxes, ha="center")
+            continue
+        for phase in ("fp", "qat"):
+            ax.plot(params, [value(r[phase]) for r in rows], marker="o",
+                    label="FP training" if phase == "fp" else "QAT")
+        for x, r in zip(params, rows):
+            ax.annotate(r["model"], (x, value(r["qat"])), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        ax.legend()
+    s = result["settings"]
+    fig.suptitle(f"QAT against FP training: {result['machine']['device']}, {s['imgsz']} px, batch {s['batch_size']}")
+    fig.tight_layout()
+    with atomic_path(png) as tmp:
+        fig.savefig(tmp, format="png")
+    plt.close(fig)
+    return png
+
+
+def save(result: dict, out: Path, tag: str, final: bool) -> None:
+    write_text(out / f"cost-{tag}.json", json.dumps(result, indent=2) + "\n")
+    write_text(out / f"cost-{tag}.md", render(result))
+    if final:
+        plot(result, out / f"cost-{tag}.png")
+
+
+def main(args: argparse.Namespace) -> dict:
+    check(args)
+    yamls = {name: model_yaml(name) for name in args.models}
+    device = select_device(args.device)
+    hyp = load_hyp(args.hyp)
+    data = load_data_yaml(args.data, splits=("train",)) if args.data else None
+    built = {name: build(path, data["nc"] if data else None, args.seed) for name, path in yamls.items()}
+    models = {name: m for name, m in built.items() if not isinstance(m, str)}
+    skipped = {name: why for name, why in built.items() if isinstance(why, str)}
+    skipped = {Path(name).stem: why for name, why in skipped.items()}
+    for name, why in skipped.items():
+        print(f"{name}: skipped, {why}", flush=True)
+    if not models:
+        raise QATError(f"none of --models {' '.join(args.models)} can be built by this tree; see the notes above.")
+    stride = max(yolov9.model_stride(m) for m in models.values())
+    args.imgsz = check_imgsz(args.imgsz, stride)
+    args.accumulate = args.accumulate or max(round(NBS / args.batch_size), 1)
+    if args.steps % args.accumulate:
+        print(f"notice: --steps {args.steps} is not a multiple of --accumulate {args.accumulate}: the FP mean over-"
+              "or under-counts optimizer steps.", flush=True)
+    n = args.warmup + args.steps
+    nc = yolov9.num_classes(next(iter(models.values())))
+    batches = dataset_batches(data, args, hyp, stride, n) if data else synthetic_batches(args, nc, n)
+    if device.type == "cuda":
+        batches = [(im.pin_memory(), t) for im, t in batches]
+    out, tag = Path(args.out), args.tag or device_tag(device)
+    settings = {k: getattr(args, k) for k in ("models", "data", "synthetic", "hyp", "imgsz", "batch_size", "device",
+                                              "workers", "warmup", "steps", "accumulate", "calib_batches", "methods",
+                                              "loader_batches", "seed")}
+    result: dict = {"settings": settings, "machine": machine(device), "skipped": skipped, "loader": None,
+                    "models": [], "complete": False}
+    if args.loader_batches:
+        result["loader"] = loader_rate(data, args, hyp, stride)
+    for name, fp in models.items():
+        record = measure(Path(name).stem, fp, batches, hyp, device, args)
+        result["models"].append(record)
+        fp, qat = record.get("fp", {}), record.get("qat", {})
+        print(f"{record['model']}: s/step (median / mean) FP {_step(fp)}, QAT {_step(qat)}, QAT/FP "
+              f"{_cell(record.get('ratio'))}; peak GiB FP {_peak(fp)}, QAT {_peak(qat)}"
+              f"{'; ' + record['error'] if 'error' in record else ''}", flush=True)
+        save(result, out, tag, final=False)  # what was measured survives a run cut short
+    result["complete"] = True
+    save(result, out, tag, final=True)
+    print(render(result))
+    return result
+
+
+if __name__ == "__main__":
+    run_cli(lambda: main(get_args_parser().parse_args()))
