@@ -48,7 +48,7 @@ import torch  # noqa: E402
 
 from utils.qat import yolov9  # noqa: E402
 from utils.qat.atomic import atomic_path, write_text  # noqa: E402
-from utils.qat.data import TREE, check_imgsz, dataloader, load_data_yaml, load_hyp  # noqa: E402
+from utils.qat.data import DEFAULT_HYPS, NO_HYP, TREE, check_imgsz, dataloader, load_data_yaml, load_hyp  # noqa: E402
 from utils.qat.device import select_device  # noqa: E402
 from utils.qat.errors import QATError, run_cli  # noqa: E402
 from utils.qat.progress import progress  # noqa: E402
@@ -69,8 +69,9 @@ def get_args_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--data", help="dataset yaml: the batches are its first training batches")
     src.add_argument("--synthetic", action="store_true", help="random images and boxes instead of a dataset")
-    p.add_argument("--hyp", default="hyp.scratch-high.yaml",
-                   help="upstream hyp yaml: the FP loss and optimizer, and the loader's augmentation")
+    p.add_argument("--hyp", default=DEFAULT_HYPS["detect"],
+                   help=f"upstream hyp yaml: the loader's augmentation and the FP loss and optimizer ({NO_HYP}: no "
+                        f"augmentation, the FP step with {DEFAULT_HYPS['detect']}'s values)")
     p.add_argument("--imgsz", type=int, default=640)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--device", default="", help="one device: 0, cuda:1, cpu (default: the first GPU)")
@@ -126,7 +127,7 @@ def build(path: Path, nc: int | None, seed: int) -> torch.nn.Module | str:
 
 # ---- the batches -------------------------------------------------------------------------------------
 
-def dataset_batches(data: dict, args: argparse.Namespace, hyp: dict, stride: int, n: int) -> list[tuple]:
+def dataset_batches(data: dict, args: argparse.Namespace, hyp: dict | None, stride: int, n: int) -> list[tuple]:
     """The first ``n`` training batches (upstream's training loader with ``hyp``'s augmentation), images uint8."""
     loader, _ = dataloader(data, "train", args.imgsz, args.batch_size, stride, workers=args.workers, rect=False,
                            shuffle=True, hyp=hyp, seed=args.seed, prefix="cost: ")
@@ -157,7 +158,7 @@ def synthetic_batches(args: argparse.Namespace, nc: int, n: int, boxes: int = 8)
     return out
 
 
-def loader_rate(data: dict, args: argparse.Namespace, hyp: dict, stride: int) -> dict:
+def loader_rate(data: dict, args: argparse.Namespace, hyp: dict | None, stride: int) -> dict:
     """Images per second of the training loader alone (``--workers``, ``hyp``'s augmentation), after ``--warmup``
     batches (the workers' start)."""
     loader, _ = dataloader(data, "train", args.imgsz, args.batch_size, stride, workers=args.workers, rect=False,
@@ -491,7 +492,8 @@ def main(args: argparse.Namespace) -> dict:
     check(args)
     yamls = {name: model_yaml(name) for name in args.models}
     device = select_device(args.device)
-    hyp = load_hyp(args.hyp)
+    augment = load_hyp(args.hyp)
+    hyp = augment or load_hyp(DEFAULT_HYPS["detect"])
     data = load_data_yaml(args.data, splits=("train",)) if args.data else None
     built = {name: build(path, data["nc"] if data else None, args.seed) for name, path in yamls.items()}
     models = {name: m for name, m in built.items() if not isinstance(m, str)}
@@ -509,7 +511,7 @@ def main(args: argparse.Namespace) -> dict:
               "or under-counts optimizer steps.", flush=True)
     n = args.warmup + args.steps
     nc = yolov9.num_classes(next(iter(models.values())))
-    batches = dataset_batches(data, args, hyp, stride, n) if data else synthetic_batches(args, nc, n)
+    batches = dataset_batches(data, args, augment, stride, n) if data else synthetic_batches(args, nc, n)
     if device.type == "cuda":
         batches = [(im.pin_memory(), t) for im, t in batches]
     out, tag = Path(args.out), args.tag or device_tag(device)
@@ -519,7 +521,7 @@ def main(args: argparse.Namespace) -> dict:
     result: dict = {"settings": settings, "machine": machine(device), "skipped": skipped, "loader": None,
                     "models": [], "complete": False}
     if args.loader_batches:
-        result["loader"] = loader_rate(data, args, hyp, stride)
+        result["loader"] = loader_rate(data, args, augment, stride)
     for name, fp in models.items():
         record = measure(Path(name).stem, fp, batches, hyp, device, args)
         result["models"].append(record)
