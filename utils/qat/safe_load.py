@@ -137,6 +137,10 @@ def globals_in_order(path: Path) -> list[str]:
 
 
 def _refusal(path: Path, name: str) -> QATError:
+    module, _, attr = name.rpartition(".")
+    if module.startswith("models.") and not hasattr(sys.modules.get(module), attr):  # the full pickle fails too
+        return QATError(f"{path} was not loaded: it names {name}, which this YOLOv9 tree does not define; run the "
+                        f"command in the YOLOv9 tree (version or fork) the checkpoint was made with.")
     why = "which runs code" if denied(name) else "which YOLOv9 checkpoints do not contain (unpickling it could run code)"
     return QATError(f"{path} was not loaded: it names {name}, {why}; {TRUST_HINT}.")
 
