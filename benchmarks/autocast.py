@@ -47,6 +47,7 @@ from utils.qat.backends import ORTBackend  # noqa: E402
 from utils.qat.data import load_data_yaml  # noqa: E402
 from utils.qat.evaluate import evaluate  # noqa: E402
 from utils.qat.onnx_export import export_onnx, load_for_export  # noqa: E402
+from utils.qat.errors import run_cli  # noqa: E402
 from utils.qat.safe_load import add_trust_flag  # noqa: E402
 
 VARIANTS = (("FP32+INT8", False), ("FP16+INT8 (AutoCast)", True))
@@ -201,4 +202,4 @@ def render(doc: dict, rows: list[dict]) -> str:
 
 
 if __name__ == "__main__":
-    main(get_args_parser().parse_args())
+    run_cli(lambda: main(get_args_parser().parse_args()))

@@ -45,7 +45,7 @@ from utils.qat.atomic import write_text  # noqa: E402
 from utils.qat.backends import TorchBackend  # noqa: E402
 from utils.qat.data import dataloader, hyp_argument, images_only, load_data_yaml  # noqa: E402
 from utils.qat.device import select_device  # noqa: E402
-from utils.qat.errors import QATError  # noqa: E402
+from utils.qat.errors import QATError, run_cli  # noqa: E402
 from utils.qat.evaluate import evaluate  # noqa: E402
 from utils.qat.pipeline import finetune_stage, ptq  # noqa: E402
 from utils.qat.safe_load import add_trust_flag  # noqa: E402
@@ -183,4 +183,4 @@ def main(args) -> dict:
 
 
 if __name__ == "__main__":
-    main(get_args_parser().parse_args())
+    run_cli(lambda: main(get_args_parser().parse_args()))

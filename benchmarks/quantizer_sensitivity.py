@@ -33,6 +33,7 @@ from utils.qat.atomic import write_text  # noqa: E402
 from utils.qat.data import load_data_yaml  # noqa: E402
 from utils.qat.device import select_device  # noqa: E402
 from utils.qat.pipeline import Evaluation, ptq  # noqa: E402
+from utils.qat.errors import run_cli  # noqa: E402
 from utils.qat.safe_load import add_trust_flag  # noqa: E402
 from utils.qat.quantize.config import DEFAULT_CALIB_METHOD, HEAD_AMAX, QuantConfig  # noqa: E402
 
@@ -116,4 +117,4 @@ def main(args) -> dict:
 
 
 if __name__ == "__main__":
-    main(get_args_parser().parse_args())
+    run_cli(lambda: main(get_args_parser().parse_args()))

@@ -38,6 +38,7 @@ from utils.qat.data import load_data_yaml  # noqa: E402
 from utils.qat.device import select_device  # noqa: E402
 from utils.qat.evaluate import evaluate  # noqa: E402
 from utils.qat.pipeline import Evaluation, ptq, sensitivity  # noqa: E402
+from utils.qat.errors import run_cli  # noqa: E402
 from utils.qat.safe_load import add_trust_flag  # noqa: E402
 
 STAGES = ("fp", "ptq", "qat", "sensitive", "qat_skip", "onnx")
@@ -262,4 +263,4 @@ def main(args) -> None:
 
 
 if __name__ == "__main__":
-    main(get_args_parser().parse_args())
+    run_cli(lambda: main(get_args_parser().parse_args()))
