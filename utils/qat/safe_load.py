@@ -22,6 +22,7 @@ anything that runs code is refused even where a module would otherwise allow it)
 from __future__ import annotations
 
 import _compat_pickle
+import argparse
 import os
 import pathlib
 import pickle
@@ -30,20 +31,16 @@ import re
 import sys
 import types
 import zipfile
-from argparse import Namespace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from utils.qat.errors import QATError
-
-if TYPE_CHECKING:
-    import argparse
 
 #: Modules whose globals are never allowed: they run commands, open files or import code.
 DENIED_MODULES = ("os", "posix", "nt", "sys", "subprocess", "shutil", "socket", "importlib", "runpy", "pty",
                   "ctypes", "code", "codeop", "pickle", "_pickle", "marshal", "webbrowser", "multiprocessing",
                   "asyncio", "pdb", "io", "_io", "tempfile", "signal", "threading", "_thread")
-#: Builtins that run, import or reach arbitrary code (``getattr`` is replaced by :func:`_method_of`).
+#: Builtins that run, import or reach arbitrary code (``getattr`` is allowed only as the method lookup of :func:`allowed`).
 DENIED_BUILTINS = ("eval", "exec", "compile", "open", "getattr", "setattr", "delattr", "__import__", "globals",
                    "locals", "vars", "breakpoint", "input", "exit", "quit", "help", "memoryview", "type", "object")
 
@@ -119,7 +116,7 @@ def allowed(classes: set[type] | None = None) -> list[Any]:
             raise pickle.UnpicklingError(f"GLOBAL builtins.getattr on {getattr(cls, '__name__', cls)!r}.{name}")
         return value
 
-    return [*classes, *_numpy_globals(), *_path_globals(), Namespace, (method_of, "builtins.getattr")]
+    return [*classes, *_numpy_globals(), *_path_globals(), argparse.Namespace, (method_of, "builtins.getattr")]
 
 
 def globals_in_order(path: Path) -> list[str]:
