@@ -30,6 +30,7 @@ import argparse  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from utils.qat.errors import QATError, run_cli  # noqa: E402
+from utils.qat.safe_load import add_trust_flag  # noqa: E402
 
 INCLUDE = {"onnx": ".onnx", "onnx_end2end": "-end2end.onnx"}
 NMS_BACKENDS = ("onnx", "trt")
@@ -39,6 +40,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="export_qat.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--weights", required=True, help="checkpoint (.pt): quantized (qat.py) or floating point")
+    add_trust_flag(p)
     p.add_argument("--include", nargs="+", default=["onnx"], choices=sorted(INCLUDE), metavar="FORMAT",
                    help=f"what to export: {', '.join(sorted(INCLUDE))} (default: onnx)")
     p.add_argument("--imgsz", "--img", "--img-size", dest="imgsz", nargs="+", type=int, default=[640],
@@ -90,7 +92,7 @@ def main(args: argparse.Namespace) -> list[dict]:
     if args.inplace:
         print("notice: --inplace is ignored (upstream export.py's flag: no YOLOv9 head reads it, the graph is the "
               "same without it).")
-    ckpt = checkpoint.read(weights)
+    ckpt = checkpoint.read(weights, trust=args.trust_weights)
     task = checkpoint.task_of(ckpt)
     if "onnx_end2end" in args.include and task not in ("detect", "segment"):
         raise QATError(f"{weights} holds a {task} model: End2End export (NMS in the graph) needs a detection or "

@@ -21,12 +21,14 @@ import argparse  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from utils.qat.errors import QATError, run_cli  # noqa: E402
+from utils.qat.safe_load import add_trust_flag  # noqa: E402
 
 
 def get_args_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="export_yoloV9.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-w", "--weights", required=True, help="checkpoint (.pt): quantized (qat.py) or floating point")
+    add_trust_flag(p)
     p.add_argument("-s", "--size", nargs="+", type=int, default=[640], help="image size: N or H W (default: 640)")
     p.add_argument("--opset", type=int, default=17, help="ONNX opset (default: 17)")
     p.add_argument("--simplify", action="store_true", help="simplify with onnxslim (Q/DQ nodes preserved)")
@@ -50,7 +52,7 @@ def main(args: argparse.Namespace) -> dict:
         raise QATError(f"--batch {args.batch} and --dynamic contradict each other: use --dynamic for a dynamic batch "
                        f"or --batch N for a fixed one.")
     weights = Path(args.weights)
-    ckpt = checkpoint.read(weights)
+    ckpt = checkpoint.read(weights, trust=args.trust_weights)
     task = checkpoint.task_of(ckpt)
     if task != "detect":
         raise QATError(f"{weights} holds a {task} model; export_yoloV9.py exports detection models for DeepStream "

@@ -20,6 +20,7 @@ from utils.qat import checkpoint, distributed, reports, validate  # noqa: E402
 from utils.qat.data import DEFAULT_HYPS, NO_HYP, check_imgsz, data_argument, hyp_argument, load_data_yaml, load_hyp  # noqa: E402
 from utils.qat.device import select_device  # noqa: E402
 from utils.qat.errors import QATError, run_cli  # noqa: E402
+from utils.qat.safe_load import add_trust_flag  # noqa: E402
 
 if TYPE_CHECKING:
     from utils.qat.quantize.config import QuantConfig
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 
 def _common(p: argparse.ArgumentParser, project: str) -> None:
     p.add_argument("--weights", required=True, help="model checkpoint (.pt)")
+    add_trust_flag(p)
     p.add_argument("--data", default=None, help="dataset yaml (default: data/coco.yaml of the YOLOv9 tree, as upstream)")
     p.add_argument("--device", default="", help="cpu, 0 or cuda:0 (default: first GPU, else CPU)")
     p.add_argument("--batch-size", type=int, default=16)
@@ -191,7 +193,7 @@ def _quantize(args, device, launch) -> Path | None:
     from utils.qat.pipeline import qat
     from utils.qat.run_record import RunRecorder
     with distributed.same_on_every_rank():  # the checks every rank makes alike: one error, printed once
-        fp = checkpoint.load_fp(args.weights, task=args.task)
+        fp = checkpoint.load_fp(args.weights, task=args.task, trust=args.trust_weights)
         validate.skip_layers(fp, args.skip_layers)  # before any evaluation
         data = _data(args, ("train", "val"))
         args.hyp, hyp = hyp_argument(args.hyp, args.task)
@@ -223,7 +225,7 @@ def cmd_sensitive(args) -> Path:
     from utils.qat.atomic import write_text
     from utils.qat.pipeline import sensitivity
     device = _one_process_device(args.device, "sensitive", args.task)
-    fp = checkpoint.load_fp(args.weights, task=args.task)
+    fp = checkpoint.load_fp(args.weights, task=args.task, trust=args.trust_weights)
     data = _data(args, ("train", "val"))
     if load_hyp(args.hyp) is not None:
         print("notice: --hyp sets the augmentation of QAT fine-tuning; sensitive only calibrates (on images without "
@@ -255,7 +257,7 @@ def cmd_eval(args) -> Path:
     from utils.qat.atomic import write_text
     from utils.qat.run_record import print_table
     device = _one_process_device(args.device, "eval", args.task)
-    ckpt = checkpoint.read(args.weights)
+    ckpt = checkpoint.read(args.weights, trust=args.trust_weights)
     if checkpoint.is_quantized(ckpt):
         model, info, _ = checkpoint.load_quantized(args.weights, task=args.task, ckpt=ckpt)
         kind = f"INT8 ({info.config.method})"

@@ -18,6 +18,7 @@ import argparse  # noqa: E402
 
 from utils.qat.errors import run_cli  # noqa: E402
 from utils.qat.reparam import SIZES  # noqa: E402
+from utils.qat.safe_load import add_trust_flag  # noqa: E402
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -28,6 +29,7 @@ def get_args_parser() -> argparse.ArgumentParser:
                         "models/segment/gelan-{model}-dseg.yaml for segmentation checkpoints)")
     p.add_argument("--model", required=True, choices=SIZES, help="model size of the checkpoint")
     p.add_argument("--weights", required=True, help="training checkpoint (train_dual.py best.pt / last.pt)")
+    add_trust_flag(p)
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:0 or 0")
     p.add_argument("--classes_num", type=int, default=None,
                    help="ignored: the converted model keeps the checkpoint's classes (accepted for the reference's "
@@ -41,7 +43,7 @@ def main(args: argparse.Namespace) -> None:
     from utils.qat.validate import check_args
     check_args(args)
     reparameterize(weights=args.weights, model=args.model, save=args.save, cfg=args.cfg,
-                   classes_num=args.classes_num, device=args.device)
+                   classes_num=args.classes_num, device=args.device, trust=args.trust_weights)
 
 
 if __name__ == "__main__":

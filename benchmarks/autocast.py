@@ -47,6 +47,8 @@ from utils.qat.backends import ORTBackend  # noqa: E402
 from utils.qat.data import load_data_yaml  # noqa: E402
 from utils.qat.evaluate import evaluate  # noqa: E402
 from utils.qat.onnx_export import export_onnx, load_for_export  # noqa: E402
+from utils.qat.errors import run_cli  # noqa: E402
+from utils.qat.safe_load import add_trust_flag  # noqa: E402
 
 VARIANTS = (("FP32+INT8", False), ("FP16+INT8 (AutoCast)", True))
 
@@ -54,6 +56,7 @@ VARIANTS = (("FP32+INT8", False), ("FP16+INT8 (AutoCast)", True))
 def get_args_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--weights", required=True, help="quantized checkpoint (qat.py / segment/qat_seg.py)")
+    add_trust_flag(p)
     p.add_argument("--data", required=True, help="dataset yaml (its val split is scored)")
     p.add_argument("--imgsz", type=int, default=640)
     p.add_argument("--batch-size", type=int, default=8)
@@ -132,7 +135,7 @@ def graph_facts(path: Path, allow_fp: list[str]) -> dict:
 def main(args: argparse.Namespace) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    ckpt = checkpoint.read(args.weights)
+    ckpt = checkpoint.read(args.weights, trust=args.trust_weights)
     model, task, quantized, fp_patterns = load_for_export(args.weights, ckpt)
     if not quantized:
         raise SystemExit(f"error: {args.weights} is not quantized; pass a qat.py checkpoint.")
@@ -199,4 +202,4 @@ def render(doc: dict, rows: list[dict]) -> str:
 
 
 if __name__ == "__main__":
-    main(get_args_parser().parse_args())
+    run_cli(lambda: main(get_args_parser().parse_args()))

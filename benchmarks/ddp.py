@@ -26,11 +26,13 @@ from pathlib import Path
 sys.path.insert(0, os.getcwd())
 from utils.qat.atomic import write_text  # noqa: E402
 from utils.qat.errors import QATError, run_cli  # noqa: E402
+from utils.qat.safe_load import add_trust_flag  # noqa: E402
 
 
 def get_args_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--weights", required=True)
+    add_trust_flag(p)
     p.add_argument("--data", required=True)
     p.add_argument("--imgsz", type=int, default=640)
     p.add_argument("--batch-size", type=int, default=64, help="global batch, the same for both runs")
@@ -55,6 +57,7 @@ def qat_command(args: argparse.Namespace, nproc: int, project: Path) -> list[str
             "--workers", str(args.workers), "--project", str(project), "--name", f"{nproc}proc", "--exist-ok",
             "--no-eval-origin"]
     argv += ["--hyp", args.hyp] if args.hyp else []
+    argv += ["--trust-weights"] if args.trust_weights else []
     argv += ["--device", "cpu" if args.cpu else ",".join(str(i) for i in range(nproc))]
     if nproc == 1:
         return [sys.executable, *argv]

@@ -45,9 +45,10 @@ from utils.qat.atomic import write_text  # noqa: E402
 from utils.qat.backends import TorchBackend  # noqa: E402
 from utils.qat.data import dataloader, hyp_argument, images_only, load_data_yaml  # noqa: E402
 from utils.qat.device import select_device  # noqa: E402
-from utils.qat.errors import QATError  # noqa: E402
+from utils.qat.errors import QATError, run_cli  # noqa: E402
 from utils.qat.evaluate import evaluate  # noqa: E402
 from utils.qat.pipeline import finetune_stage, ptq  # noqa: E402
+from utils.qat.safe_load import add_trust_flag  # noqa: E402
 
 
 def parse_recipe(text: str, epochs: int, iters: int) -> QATConfig:
@@ -65,6 +66,7 @@ def parse_recipe(text: str, epochs: int, iters: int) -> QATConfig:
 def get_args_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--weights", required=True)
+    add_trust_flag(p)
     p.add_argument("--data", required=True)
     p.add_argument("--task", choices=("detect", "segment"), default="detect", help="segment: rank by mask mAP")
     p.add_argument("--imgsz", type=int, default=640)
@@ -138,7 +140,7 @@ def main(args) -> dict:
     device = select_device(args.device)
     data = load_data_yaml(args.data, splits=("train", "val"))
     args.hyp, hyp = hyp_argument(args.hyp, args.task)
-    fp = checkpoint.load_fp(args.weights, task=args.task)
+    fp = checkpoint.load_fp(args.weights, task=args.task, trust=args.trust_weights)
     stride = int(fp.stride.max())
     common = dict(imgsz=args.imgsz, batch_size=args.batch_size, workers=args.workers)
     scored = dict(common, task=args.task)
@@ -181,4 +183,4 @@ def main(args) -> dict:
 
 
 if __name__ == "__main__":
-    main(get_args_parser().parse_args())
+    run_cli(lambda: main(get_args_parser().parse_args()))

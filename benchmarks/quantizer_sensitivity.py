@@ -33,12 +33,15 @@ from utils.qat.atomic import write_text  # noqa: E402
 from utils.qat.data import load_data_yaml  # noqa: E402
 from utils.qat.device import select_device  # noqa: E402
 from utils.qat.pipeline import Evaluation, ptq  # noqa: E402
+from utils.qat.errors import run_cli  # noqa: E402
+from utils.qat.safe_load import add_trust_flag  # noqa: E402
 from utils.qat.quantize.config import DEFAULT_CALIB_METHOD, HEAD_AMAX, QuantConfig  # noqa: E402
 
 
 def get_args_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--weights", required=True)
+    add_trust_flag(p)
     p.add_argument("--data", required=True)
     p.add_argument("--layer", type=int, default=-1, help="index of model.model to dissect (default: the head)")
     p.add_argument("--per-level", action="store_true", help="one group per quantizer, not per branch position")
@@ -92,7 +95,7 @@ def main(args) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     device = select_device(args.device)
     data = load_data_yaml(args.data, splits=("train", "val"))
-    fp = checkpoint.load_fp(args.weights)
+    fp = checkpoint.load_fp(args.weights, trust=args.trust_weights)
     score = Evaluation(data, imgsz=args.imgsz, batch_size=args.batch_size, device=device, workers=args.workers)
     index = args.layer % len(fp.model)
     results: dict = {"weights": Path(args.weights).name, "layer": index, "module": type(fp.model[index]).__name__,
@@ -114,4 +117,4 @@ def main(args) -> dict:
 
 
 if __name__ == "__main__":
-    main(get_args_parser().parse_args())
+    run_cli(lambda: main(get_args_parser().parse_args()))

@@ -38,6 +38,8 @@ from utils.qat.data import load_data_yaml  # noqa: E402
 from utils.qat.device import select_device  # noqa: E402
 from utils.qat.evaluate import evaluate  # noqa: E402
 from utils.qat.pipeline import Evaluation, ptq, sensitivity  # noqa: E402
+from utils.qat.errors import run_cli  # noqa: E402
+from utils.qat.safe_load import add_trust_flag  # noqa: E402
 
 STAGES = ("fp", "ptq", "qat", "sensitive", "qat_skip", "onnx")
 
@@ -45,6 +47,7 @@ STAGES = ("fp", "ptq", "qat", "sensitive", "qat_skip", "onnx")
 def get_args_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--weights", required=True)
+    add_trust_flag(p)
     p.add_argument("--data", required=True)
     p.add_argument("--imgsz", type=int, default=640)
     p.add_argument("--batch-size", type=int, default=16)
@@ -177,7 +180,7 @@ def qat_cli(args, *extra: str):
             "--batch-size", str(args.batch_size), "--workers", str(args.workers), "--calib-method", args.calib_method,
             "--calib-batches", str(args.calib_batches), "--head-amax", args.head_amax,
             "--project", str(Path(args.out) / "runs"), "--exist-ok",
-            "--no-eval-origin", *shlex.split(args.qat_args)]
+            "--no-eval-origin", *shlex.split(args.qat_args)] + (["--trust-weights"] if args.trust_weights else [])
     if args.device:
         argv += ["--device", args.device]
     return qat.main(qat.get_args_parser().parse_args(argv + list(extra)))
@@ -193,7 +196,7 @@ def main(args) -> None:
     data = load_data_yaml(args.data, splits=("train", "val"))
     common = dict(imgsz=args.imgsz, batch_size=args.batch_size, workers=args.workers)
 
-    fp = checkpoint.load_fp(args.weights) if stages & {"fp", "ptq", "sensitive"} else None
+    fp = checkpoint.load_fp(args.weights, trust=args.trust_weights) if stages & {"fp", "ptq", "sensitive"} else None
     if "fp" in stages:
         with bench.timed("eval FP"):
             from utils.qat.quantize.model_quant import fuse
@@ -260,4 +263,4 @@ def main(args) -> None:
 
 
 if __name__ == "__main__":
-    main(get_args_parser().parse_args())
+    run_cli(lambda: main(get_args_parser().parse_args()))

@@ -128,10 +128,11 @@ class ORTBackend:
 
 
 def open_backend(path: str | PathLike, device: str = "", *, kind: str | None = None,
-                 plugins: Sequence[str | PathLike] = ()) -> Backend:
+                 plugins: Sequence[str | PathLike] = (), trust: bool = False) -> Backend:
     """The backend for a model file: ``kind`` 'torch' (a .pt checkpoint, quantized or FP), 'onnxruntime' (.onnx)
     or 'tensorrt' (.engine, with its ``plugins`` libraries); by default from the suffix (:data:`FORMATS`).
-    ``device``: as ``--device`` takes it; '' is the first GPU (TensorRT, PyTorch) or the CPU (ONNX Runtime)."""
+    ``device``: as ``--device`` takes it; '' is the first GPU (TensorRT, PyTorch) or the CPU (ONNX Runtime).
+    ``trust``: read a .pt with the full pickle (``utils.qat.checkpoint.read``)."""
     path = Path(path)
     kind = kind or FORMATS.get(path.suffix.lower())
     if kind not in RUNTIMES:
@@ -149,7 +150,7 @@ def open_backend(path: str | PathLike, device: str = "", *, kind: str | None = N
     if kind == "onnxruntime":
         return ORTBackend(path, select_device(device) if device else torch.device("cpu"))
     from utils.qat import checkpoint
-    ckpt = checkpoint.read(path)
+    ckpt = checkpoint.read(path, trust)
     task = checkpoint.task_of(ckpt)
     if checkpoint.is_quantized(ckpt):
         model = checkpoint.load_quantized(path, task=task, ckpt=ckpt)[0]

@@ -15,22 +15,20 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from utils.qat import __version__, yolov9
+from utils.qat import __version__, safe_load, yolov9
 from utils.qat.atomic import write_bytes
 from utils.qat.errors import QATError
 
 FORMAT = "yolov9-qat"
 
 
-def read(path: str | os.PathLike) -> dict:
-    """Load a checkpoint file the user named, with a clear error for missing or foreign files."""
+def read(path: str | os.PathLike, trust: bool = False) -> dict:
+    """Load a checkpoint file the user named, with a clear error for missing or foreign files. Nothing in it runs
+    (``utils.qat.safe_load``) unless ``trust`` (``--trust-weights``): then it is read with the full pickle."""
     path = Path(path)
     if not path.is_file():
         raise QATError(f"weights file not found: {path}; pass the path of a .pt checkpoint.")
-    try:  # a full pickle (upstream's format), from the file the user named: weights_only=False, the one place
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:  # pickle, zip and torch errors all mean the same thing to the user
-        raise QATError(f"{path} is not a PyTorch checkpoint ({type(e).__name__}); pass a YOLOv9 .pt file.") from e
+    ckpt = safe_load.load(path, trust=trust)
     if not isinstance(ckpt, dict) or not (ckpt.get("format") == FORMAT or isinstance(ckpt.get("ema") or ckpt.get("model"), nn.Module)):
         raise QATError(f"{path} is not a YOLOv9 checkpoint (no 'model' inside); pass a YOLOv9 .pt file.")
     return ckpt
@@ -56,10 +54,10 @@ def check_task(ckpt: dict, path, task: str) -> None:
     raise QATError(f"{path} holds a {have} model but this command needs a {task} model; {hint}.")
 
 
-def load_fp(path: str | os.PathLike, task: str = "detect", ckpt: dict | None = None) -> nn.Module:
+def load_fp(path: str | os.PathLike, task: str = "detect", ckpt: dict | None = None, trust: bool = False) -> nn.Module:
     """The FP model of an upstream checkpoint (EMA weights when present), float32, eval mode.
-    ``ckpt``: the checkpoint if it was already read (saves reading the file twice)."""
-    ckpt = read(path) if ckpt is None else ckpt
+    ``ckpt``: the checkpoint if it was already read (saves reading the file twice); ``trust``: as :func:`read`."""
+    ckpt = read(path, trust) if ckpt is None else ckpt
     if is_quantized(ckpt):
         raise QATError(f"{path} is a quantized (yolov9-qat) checkpoint but this step needs the floating-point "
                        "model; pass the original weights (e.g. yolov9-c-converted.pt).")
@@ -103,14 +101,14 @@ def rebuild(ckpt: dict) -> nn.Module:
     return fuse(yolov9.build(ckpt["yaml"], ckpt["nc"], task=ckpt.get("task", "detect")).float())
 
 
-def load_quantized(path: str | os.PathLike, task: str = "detect", ckpt: dict | None = None):
-    """Rebuild a quantized model in this process. Returns ``(model, QuantInfo, ckpt)``."""
+def load_quantized(path: str | os.PathLike, task: str = "detect", ckpt: dict | None = None, trust: bool = False):
+    """Rebuild a quantized model in this process. Returns ``(model, QuantInfo, ckpt)``; ``trust``: as :func:`read`."""
     import modelopt.torch.opt as mto
 
     from utils.qat.quantize import rules
     from utils.qat.quantize.config import QuantInfo
     from utils.qat.quantize.qdq import use_qdq_rounding
-    ckpt = read(path) if ckpt is None else ckpt
+    ckpt = read(path, trust) if ckpt is None else ckpt
     if not is_quantized(ckpt):
         raise QATError(f"{path} is a floating-point checkpoint, not a quantized one; run `qat.py quantize` "
                        "first, or pass --allow-fp to evaluate it as it is.")

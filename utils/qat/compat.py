@@ -17,7 +17,7 @@ Not patched, because no toolkit command reaches them (upstream's own scripts do;
 own adjustments): ``FreeTypeFont.getsize`` (Pillow 10, ``utils/plots.py`` ``Annotator``), the Arial.ttf
 download (``check_font``, from ``check_dataset`` and the plots), and ``torch.load``'s weights_only=True
 default (torch 2.6: upstream ``attempt_load`` / ``strip_optimizer``). The toolkit reads checkpoints in
-one place, ``utils.qat.checkpoint.read``, with ``weights_only=False`` on the file the user named.
+one place, ``utils.qat.checkpoint.read``: ``weights_only=True`` under the allow-list of ``utils.qat.safe_load``.
 
 Also applied: the exact-text silencing of third-party noise (:mod:`utils.qat.noise`).
 """

@@ -54,11 +54,12 @@ _HEAD_STATE = ("export", "dynamic", "shape", "anchors", "strides")
 # the model side
 # ---------------------------------------------------------------------------------------------
 
-def load_for_export(weights: str | os.PathLike, ckpt: dict | None = None):
+def load_for_export(weights: str | os.PathLike, ckpt: dict | None = None, trust: bool = False):
     """``(model, task, quantized, fp_patterns)`` of a checkpoint, quantized (rebuilt with its Q/DQ) or
-    floating point (BatchNorm fused), in eval mode. ``ckpt``: the already read checkpoint, if any."""
+    floating point (BatchNorm fused), in eval mode. ``ckpt``: the already read checkpoint, if any; ``trust``: as
+    ``utils.qat.checkpoint.read``."""
     from utils.qat import checkpoint
-    ckpt = checkpoint.read(weights) if ckpt is None else ckpt
+    ckpt = checkpoint.read(weights, trust) if ckpt is None else ckpt
     task = checkpoint.task_of(ckpt)
     if checkpoint.is_quantized(ckpt):
         model, info, _ = checkpoint.load_quantized(weights, task=task, ckpt=ckpt)

@@ -372,10 +372,11 @@ def convert(dual_model: nn.Module, cfg: str | Path, nc: int | None = None, names
 # ---------------------------------------------------------------------------------------------------
 # checkpoints
 
-def load_training_model(path: str | Path) -> nn.Module:
-    """The model of an upstream checkpoint: the EMA when present (as upstream attempt_load), else 'model'."""
+def load_training_model(path: str | Path, trust: bool = False) -> nn.Module:
+    """The model of an upstream checkpoint: the EMA when present (as upstream attempt_load), else 'model'.
+    ``trust``: as ``utils.qat.checkpoint.read``."""
     from utils.qat import checkpoint
-    ckpt = checkpoint.read(path)
+    ckpt = checkpoint.read(path, trust)
     if checkpoint.is_quantized(ckpt):
         raise QATError(f"{path} is a quantized (yolov9-qat) checkpoint; reparameterize the training checkpoint "
                        f"before quantizing it.")
@@ -409,10 +410,10 @@ def resolve_cfg(cfg: str | Path, root: Path | None = None) -> Path:
 
 def reparameterize(weights: str | Path, model: str, save: str | Path | None = None, cfg: str | Path | None = None,
                    classes_num: int | None = None, device: str = "cpu",
-                   log: Callable[[str], object] = print) -> Path:
+                   log: Callable[[str], object] = print, trust: bool = False) -> Path:
     """The whole conversion, every check made before anything is written; returns the saved path.
     ``classes_num``: what the user said the class count is (the checkpoint's count is used; a different value is
-    reported as ignored)."""
+    reported as ignored); ``trust``: read ``weights`` with the full pickle (``utils.qat.checkpoint.read``)."""
     if model not in SIZES:
         raise QATError(f"--model {model} is not a YOLOv9 size; use one of {', '.join(SIZES)}.")
     from utils.qat.device import select_device
@@ -420,7 +421,7 @@ def reparameterize(weights: str | Path, model: str, save: str | Path | None = No
     save = Path(save or f"yolov9-{model}-converted.pt")
     if Path(weights).exists() and save.resolve() == Path(weights).resolve():
         raise QATError(f"--save {save} would overwrite --weights; choose another output path.")
-    dual = load_training_model(weights)
+    dual = load_training_model(weights, trust)
     head = head_name(dual)
     if head in FAMILIES and not is_dual(dual):
         raise QATError(f"{weights} is already reparameterized (it ends in {head}, the inference head): nothing to "
