@@ -52,26 +52,10 @@ def real_images(folder: Path, n: int, size: int) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(np.stack(ims))).float() / 255
 
 
-@torch.no_grad()
 def reinit(model: nn.Module, seed: int = 0) -> nn.Module:
-    """Re-initialise convs (Kaiming) and BatchNorm (non-trivial statistics) so activations stay O(1).
-
-    A default-initialised YOLOv9 model has activations around 1e-9 deep in the network, below the
-    quantizer's amax epsilon, so fake-quant would output zeros.
-    """
-    g = torch.Generator().manual_seed(seed)
-    for m in model.modules():
-        if isinstance(m, nn.Conv2d) and m.weight.requires_grad:
-            fan_in = m.weight[0].numel()
-            m.weight.copy_(torch.randn(m.weight.shape, generator=g) * (2.0 / fan_in) ** 0.5)
-            if m.bias is not None:
-                m.bias.copy_(torch.randn(m.bias.shape, generator=g) * 0.1)
-        elif isinstance(m, nn.BatchNorm2d):
-            m.weight.copy_(1 + 0.1 * torch.randn(m.weight.shape, generator=g))
-            m.bias.copy_(0.1 * torch.randn(m.bias.shape, generator=g))
-            m.running_mean.copy_(0.1 * torch.randn(m.running_mean.shape, generator=g))
-            m.running_var.copy_(1 + 0.1 * torch.rand(m.running_var.shape, generator=g))
-    return model.eval()
+    """``utils.qat.yolov9.random_init``: activations O(1) (a default-initialised model's are around 1e-9)."""
+    from utils.qat import yolov9
+    return yolov9.random_init(model, seed)
 
 
 def build(cfg, nc: int | None = None, seed: int = 0) -> nn.Module:

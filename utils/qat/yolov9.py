@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from torch import nn
 
 __all__ = ["FAMILIES", "DEFAULT_STRIDE", "head", "head_name", "family", "is_dual", "task_of_model", "num_classes",
-           "outputs", "exported_outputs", "model_stride", "artifact_stride", "isolated_build", "build"]
+           "outputs", "exported_outputs", "model_stride", "artifact_stride", "isolated_build", "build", "random_init"]
 
 #: Head class name -> family.
 FAMILIES: dict[str, str] = {
@@ -167,3 +167,32 @@ def build(cfg: str | Path | dict, nc: int | None = None, task: str = "detect") -
     cls = SegmentationModel if task == "segment" else DetectionModel
     with isolated_build():
         return cls(cfg=dict(cfg) if isinstance(cfg, dict) else str(cfg), ch=3, nc=nc)
+
+
+def random_init(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Re-initialise convs (Kaiming) and BatchNorm (non-trivial statistics) so activations stay O(1), in eval mode.
+
+    A default-initialised YOLOv9 model has activations around 1e-9 deep in the network, below the
+    quantizer's amax epsilon, so fake-quant would output zeros (tests and benchmarks on random weights).
+    """
+    import torch
+    with torch.no_grad():
+        _random_init(model, seed)
+    return model.eval()
+
+
+def _random_init(model: nn.Module, seed: int) -> None:
+    import torch
+    from torch import nn
+    g = torch.Generator().manual_seed(seed)
+    for m in model.modules():
+        if isinstance(m, nn.Conv2d) and m.weight.requires_grad:
+            fan_in = m.weight[0].numel()
+            m.weight.copy_(torch.randn(m.weight.shape, generator=g) * (2.0 / fan_in) ** 0.5)
+            if m.bias is not None:
+                m.bias.copy_(torch.randn(m.bias.shape, generator=g) * 0.1)
+        elif isinstance(m, nn.BatchNorm2d):
+            m.weight.copy_(1 + 0.1 * torch.randn(m.weight.shape, generator=g))
+            m.bias.copy_(0.1 * torch.randn(m.bias.shape, generator=g))
+            m.running_mean.copy_(0.1 * torch.randn(m.running_mean.shape, generator=g))
+            m.running_var.copy_(1 + 0.1 * torch.rand(m.running_var.shape, generator=g))
