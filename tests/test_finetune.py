@@ -43,10 +43,12 @@ def _export(module: torch.nn.Module, x: torch.Tensor) -> np.ndarray:
     return ort.InferenceSession(buf.getvalue(), providers=["CPUExecutionProvider"]).run(None, {"x": x.numpy()})[0]
 
 
-def test_qdq_rounding_is_quantize_linear_bit_for_bit(yolov9_tree):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (where the quantizer runs the fused kernels)"))])
+def test_qdq_rounding_is_quantize_linear_bit_for_bit(yolov9_tree, device):
     """A quantizer's PyTorch output equals ONNX Runtime's QuantizeLinear -> DequantizeLinear of the exported
     graph in every bit, rounding ties (x exactly half-way between two steps) included; modelopt's own
-    rounding (x * 127 / amax) does not."""
+    rounding (x * 127 / amax) does not. On CUDA the quantizer runs the fused kernels (qdq_fused.py)."""
     from modelopt.torch.quantization.config import QuantizerAttributeConfig
     from modelopt.torch.quantization.nn import TensorQuantizer
 
@@ -70,11 +72,12 @@ def test_qdq_rounding_is_quantize_linear_bit_for_bit(yolov9_tree):
     x[0, 1, 0, :4] = torch.tensor([100.0, -100.0, 3.7, -3.7])  # clipped and the bounds
     expected = _export(module, x)
     module.q.backend = BACKEND
+    module.to(device)
     with torch.no_grad():
-        assert np.array_equal(module(x).numpy(), expected)
+        assert np.array_equal(module(x.to(device)).cpu().numpy(), expected)
     module.q.backend = None
     with torch.no_grad():
-        assert not np.array_equal(module(x).numpy(), expected)
+        assert not np.array_equal(module(x.to(device)).cpu().numpy(), expected)
 
 
 def test_qdq_rounding_gradient_is_clipped_straight_through(yolov9_tree):

@@ -26,6 +26,9 @@ from utils.qat.progress import progress
 OPTIMIZERS = ("adamw", "adam", "sgd")
 
 
+POSTFIX_EVERY = 10  # steps between the progress bar's loss updates (each one reads the loss back from the GPU)
+
+
 @dataclass
 class QATConfig:
     """How fine-tuning runs. The defaults are the recipe measured best (docs/QAT.md: ``benchmarks/qat_recipes.py``
@@ -156,114 +159,147 @@ def finetune(model: nn.Module, teacher: nn.Module, batches: Callable[[], Iterabl
     runs on rank 0 only while the other ranks wait at a barrier.
     """
     config = config or QATConfig()
-    terms = objectives.parse(config.objective)
-    gains = {"box": config.box_gain, "masks": config.mask_gain}  # weights of the head objective's terms (cls: 1)
-    device = torch.device(device)
-    amp = device.type == "cuda" if amp is None else amp
-    teacher = teacher.to(device).eval()
-    for p in teacher.parameters():
-        p.requires_grad_(False)
-    model.to(device)
-    head = objectives.head_of(model)
-    train_form = "mse" not in terms  # raw head maps (training form); the legacy objective used decoded boxes
-    supervised = supervised_layers(model, config.supervision_stride)
-    tapped: list[int] = []  # block outputs the objective reads: the head's too for mse, not for features
-    if "mse" in terms:
-        tapped = supervised
-    elif "features" in terms:
-        tapped = [i for i in supervised if i != len(model.model) - 1]
-    task = objectives.task_loss_fn(model, hyp) if "task" in terms else None
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = _optimizer(params, config)
-    learned = None
-    if config.amax_lr > 0:
-        from utils.qat.quantize.amax import LearnedAmax
-        if scale_groups is None:
-            from utils.qat.quantize.rules import scale_groups as trace_groups
-            example = _unpack(next(iter(batches())), device)[0][:1]
-            scale_groups = trace_groups(model, example.float() / 255 if example.dtype == torch.uint8 else example)
-        learned = LearnedAmax(model, scale_groups)
-        for group in learned.param_groups(config.amax_lr):
-            optimizer.add_param_group(group)
-    total = max(1, config.epochs * config.iters)
-    warmup = min(config.warmup, total // 2)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(step, total, warmup, config.final_lr_ratio))
-    scaler = torch.amp.GradScaler(device.type, enabled=amp)
-    autocast = (lambda: torch.autocast(device.type, dtype=torch.float16)) if amp else contextlib.nullcontext
-    student = _distributed(model, device, every_parameter_used="features" not in terms or len(terms) > 1)
+    step = QATStep(model, teacher, batches, config, device=device, amp=amp, hyp=hyp, scale_groups=scale_groups)
     results = []
-    ema = _EMA(model, config.ema) if config.ema > 0 else None
-    student_taps, teacher_taps = _Taps(model, tapped), _Taps(teacher, tapped)
     try:
         for epoch in range(config.epochs):
             if on_epoch_start is not None:
                 on_epoch_start(epoch)
-            model.train(train_form)
-            teacher.train(train_form)
-            start, running, steps = time.time(), 0.0, 0
-            sums: dict[str, float] = {}
+            step.train()
+            start, steps = time.time(), 0
+            sums: dict[str, torch.Tensor] = {}  # summed on the device: reading a loss each step would wait for the GPU
             bar = progress(_steps(batches, config.iters, announce=epoch == 0), total=config.iters,
                            desc=f"QAT epoch {epoch + 1}/{config.epochs}")
             for batch in bar:
-                images, targets, masks = _unpack(batch, device)
-                if images.dtype == torch.uint8:
-                    images = images.float() / 255
-                with torch.no_grad(), autocast():
-                    t_out = teacher(images)
-                with autocast():
-                    s_out = student(images)
-                values = {}
-                for term in terms:
-                    if term == "head":
-                        parts = objectives.head_distillation(s_out, t_out, head.reg_max, head.nc)
-                        values.update({f"head.{k}": v * gains.get(k, 1.0) for k, v in parts.items()})
-                    elif term == "features":
-                        values[term] = objectives.feature_distillation(student_taps.outputs, teacher_taps.outputs, tapped)
-                    elif term == "mse":
-                        values[term] = objectives.legacy_mse(student_taps.outputs, teacher_taps.outputs, tapped)
-                    else:
-                        if targets is None:
-                            raise QATError("--qat-loss task needs labels: pass batches of (images, targets).")
-                        values[term] = task(s_out, targets, masks)
-                loss = sum(values.values())
-                optimizer.zero_grad(set_to_none=True)
-                scaler.scale(loss).backward()
-                scaler.step(optimizer)
-                scaler.update()
-                schedule.step()
-                if learned is not None:
-                    learned.clamp()
-                if ema is not None:
-                    ema.update(model)
-                running += float(loss.detach())
+                values = step(batch)
                 for k, v in values.items():
-                    sums[k] = sums.get(k, 0.0) + float(v.detach())
+                    sums[k] = sums[k] + v.detach() if k in sums else v.detach().clone()
                 steps += 1
-                bar.set_postfix(loss=f"{running / steps:.5f}")
+                if steps % POSTFIX_EVERY == 0 or steps == config.iters:
+                    bar.set_postfix(loss=f"{float(sum(sums.values())) / steps:.5f}")
                 if on_step is not None:
                     on_step(epoch * config.iters + steps - 1)
-            means = {k: round(distributed.all_reduce_mean(v / max(steps, 1)), 6) for k, v in sums.items()}
-            result = EpochResult(epoch, distributed.all_reduce_mean(running / max(steps, 1)), time.time() - start,
+            totals = {k: float(v) for k, v in sums.items()}
+            means = {k: round(distributed.all_reduce_mean(v / max(steps, 1)), 6) for k, v in totals.items()}
+            learned = step.learned
+            result = EpochResult(epoch, distributed.all_reduce_mean(sum(totals.values()) / max(steps, 1)), time.time() - start,
                                  terms=means, steps=steps, amax=learned.summary() if learned is not None else {})
             results.append(result)
             model.eval()
             teacher.eval()
-            with (ema.applied(model) if ema is not None else contextlib.nullcontext(),
+            with (step.ema.applied(model) if step.ema is not None else contextlib.nullcontext(),
                   learned.as_buffers() if learned is not None else contextlib.nullcontext()):
                 if on_epoch_end is not None and distributed.is_main():
                     on_epoch_end(result)
                 distributed.barrier()
     finally:
-        student_taps.close()
-        teacher_taps.close()
-        model.eval()
-        teacher.eval()
-        if ema is not None:
-            ema.copy_to(model)  # the model handed back is the averaged one, as evaluated
-        if learned is not None:
-            learned.release()
+        step.close()
     return results
+
+
+class QATStep:
+    """One optimisation step of fine-tuning, with everything it needs built once (optimiser, schedule, scaler,
+    learned amax, EMA, taps): ``finetune`` loops over it, ``benchmarks/qat_step.py`` times it.
+
+        step = QATStep(qmodel, teacher, batches, QATConfig(), device="cuda:0")
+        step.train()
+        values = step(batch)      # each objective term; the loss is their sum
+        step.close()              # the model averaged (EMA), amax buffers again, evaluation mode
+    """
+
+    def __init__(self, model: nn.Module, teacher: nn.Module, batches: Callable[[], Iterable], config: QATConfig, *,
+                 device: torch.device | str = "cpu", amp: bool | None = None, hyp: dict | None = None,
+                 scale_groups: list[list[str]] | None = None):
+        self.model, self.config = model, config
+        self.terms = objectives.parse(config.objective)
+        self.gains = {"box": config.box_gain, "masks": config.mask_gain}  # weights of the head objective's terms (cls: 1)
+        self.device = device = torch.device(device)
+        amp = device.type == "cuda" if amp is None else amp
+        self.teacher = teacher = teacher.to(device).eval()
+        for p in teacher.parameters():
+            p.requires_grad_(False)
+        model.to(device)
+        self.head = objectives.head_of(model)
+        self.train_form = "mse" not in self.terms  # raw head maps (training form); the legacy objective used decoded boxes
+        supervised = supervised_layers(model, config.supervision_stride)
+        self.tapped: list[int] = []  # block outputs the objective reads: the head's too for mse, not for features
+        if "mse" in self.terms:
+            self.tapped = supervised
+        elif "features" in self.terms:
+            self.tapped = [i for i in supervised if i != len(model.model) - 1]
+        self.task = objectives.task_loss_fn(model, hyp) if "task" in self.terms else None
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = optimizer = _optimizer(params, config)
+        self.learned = None
+        if config.amax_lr > 0:
+            from utils.qat.quantize.amax import LearnedAmax
+            if scale_groups is None:
+                from utils.qat.quantize.rules import scale_groups as trace_groups
+                example = _unpack(next(iter(batches())), device)[0][:1]
+                scale_groups = trace_groups(model, example.float() / 255 if example.dtype == torch.uint8 else example)
+            self.learned = LearnedAmax(model, scale_groups)
+            for group in self.learned.param_groups(config.amax_lr):
+                optimizer.add_param_group(group)
+        total = max(1, config.epochs * config.iters)
+        warmup = min(config.warmup, total // 2)
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: lr_factor(step, total, warmup, config.final_lr_ratio))
+        self.scaler = torch.amp.GradScaler(device.type, enabled=amp)
+        self.autocast = (lambda: torch.autocast(device.type, dtype=torch.float16)) if amp else contextlib.nullcontext
+        self.student = _distributed(model, device, every_parameter_used="features" not in self.terms or len(self.terms) > 1)
+        self.ema = _EMA(model, config.ema) if config.ema > 0 else None
+        self.student_taps, self.teacher_taps = _Taps(model, self.tapped), _Taps(teacher, self.tapped)
+
+    def train(self) -> None:
+        """The student and the teacher in the form the objective compares (training form unless ``mse``)."""
+        self.model.train(self.train_form)
+        self.teacher.train(self.train_form)
+
+    def __call__(self, batch) -> dict[str, torch.Tensor]:
+        """One optimisation step on ``batch``; returns each objective term (tensors, not synchronised)."""
+        images, targets, masks = _unpack(batch, self.device)
+        if images.dtype == torch.uint8:
+            images = images.float() / 255
+        with torch.no_grad(), self.autocast():
+            t_out = self.teacher(images)
+        with self.autocast():
+            s_out = self.student(images)
+        values = {}
+        for term in self.terms:
+            if term == "head":
+                parts = objectives.head_distillation(s_out, t_out, self.head.reg_max, self.head.nc)
+                values.update({f"head.{k}": v * self.gains.get(k, 1.0) for k, v in parts.items()})
+            elif term == "features":
+                values[term] = objectives.feature_distillation(self.student_taps.outputs, self.teacher_taps.outputs,
+                                                               self.tapped)
+            elif term == "mse":
+                values[term] = objectives.legacy_mse(self.student_taps.outputs, self.teacher_taps.outputs, self.tapped)
+            else:
+                if targets is None:
+                    raise QATError("--qat-loss task needs labels: pass batches of (images, targets).")
+                values[term] = self.task(s_out, targets, masks)
+        loss = sum(values.values())
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scaler.scale(loss).backward()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.schedule.step()
+        if self.learned is not None:
+            self.learned.clamp()
+        if self.ema is not None:
+            self.ema.update(self.model)
+        return values
+
+    def close(self) -> None:
+        """Taps removed, evaluation mode, the averaged weights in the model, amax buffers again."""
+        self.student_taps.close()
+        self.teacher_taps.close()
+        self.model.eval()
+        self.teacher.eval()
+        if self.ema is not None:
+            self.ema.copy_to(self.model)  # the model handed back is the averaged one, as evaluated
+        if self.learned is not None:
+            self.learned.release()
 
 
 class _EMA:
@@ -274,14 +310,20 @@ class _EMA:
     def __init__(self, model: nn.Module, decay: float):
         self.decay, self.updates = decay, 0
         self.params = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        self._pairs: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
 
     @torch.no_grad()
     def update(self, model: nn.Module) -> None:
+        """Multi-tensor operations over all parameters (a few kernels in all, not two per parameter); the same
+        arithmetic as ``mul_(d).add_(p, alpha=1 - d)`` per parameter."""
         self.updates += 1
         d = min(self.decay, (1 + self.updates) / (10 + self.updates))
-        for n, p in model.named_parameters():
-            if n in self.params:
-                self.params[n].mul_(d).add_(p.detach(), alpha=1 - d)
+        if self._pairs is None:  # the model's parameter objects are fixed during fine-tuning
+            named = dict(model.named_parameters())
+            self._pairs = list(self.params.values()), [named[n].detach() for n in self.params]
+        averaged, current = self._pairs
+        torch._foreach_mul_(averaged, d)
+        torch._foreach_add_(averaged, current, alpha=1 - d)
 
     @torch.no_grad()
     def copy_to(self, model: nn.Module) -> None:

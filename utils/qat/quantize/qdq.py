@@ -23,6 +23,10 @@ While QAT learns amax (``utils/qat/quantize/amax.py``), amax also gets a gradien
 lives is a TensorQuantizer internal (its ``_amax`` slot: a buffer, or a parameter while learned): this
 module is the one place that touches it (``learned_amax``, ``amax_to_parameter``, ``amax_to_buffer``), as
 ``utils/qat/quantize/calib.py`` is for the calibrators' internals.
+
+On a GPU the same arithmetic runs as two compiled kernels (``utils/qat/quantize/qdq_fused.py``: one forward, one
+backward, bit for bit the same results); ``_QDQ`` below is the reference and the CPU path (compiled CPU kernels
+were slower there than the eager operations). ``implementation("eager")`` forces the reference for a while.
 """
 from __future__ import annotations
 
@@ -32,14 +36,35 @@ import torch
 import torch.nn as nn
 
 from utils.qat.quantize.calib import learned_amax
+from utils.qat.quantize.qdq_fused import QDQFunction, divisor, flat_shapes
 
 BACKEND = "yolov9_qat_qdq"
+IMPLEMENTATIONS = ("auto", "eager", "fused")  # auto: fused on CUDA, eager elsewhere
+_implementation = ["auto"]
 
 
 def qdq_scale(amax: torch.Tensor, num_bits: int = 8) -> torch.Tensor:
     """The float32 scale the exported QuantizeLinear carries for ``amax`` (modelopt's export_int8)."""
-    scale = amax.detach().float() / float(2 ** (num_bits - 1) - 1)
+    scale = amax.detach().float() / divisor(amax.device, 2 ** (num_bits - 1) - 1)
     return torch.where(scale == 0, torch.ones_like(scale), scale)
+
+
+@contextlib.contextmanager
+def implementation(name: str):
+    """Every quantizer runs ``name`` (one of ``IMPLEMENTATIONS``) inside the block (benchmarks, tests)."""
+    if name not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown fake-quant implementation {name!r}; choose one of {', '.join(IMPLEMENTATIONS)}")
+    saved = _implementation[0]
+    _implementation[0] = name
+    try:
+        yield
+    finally:
+        _implementation[0] = saved
+
+
+def _fused(device: torch.device) -> bool:
+    mode = _implementation[0]
+    return mode == "fused" or (mode == "auto" and device.type == "cuda")
 
 
 class _QDQ(torch.autograd.Function):
@@ -63,7 +88,8 @@ class _QDQ(torch.autograd.Function):
         grad_x = grad * inside.to(grad.dtype)
         grad_amax = None
         if ctx.needs_input_grad[1]:
-            local = grad.float() * ctx.saved_tensors[1].float() / 127.0  # 127: qdq_scale's divisor
+            # a tensor divisor: CUDA divides by a Python number as a multiplication by its reciprocal
+            local = grad.float() * ctx.saved_tensors[1].float() / divisor(grad.device)
             grad_amax = local.sum_to_size(ctx.amax_shape) if len(ctx.amax_shape) else local.sum()
         return grad_x, grad_amax, None, None
 
@@ -84,7 +110,8 @@ def fake_quant(inputs: torch.Tensor, quantizer) -> torch.Tensor:
                                  quantizer.trt_high_precision_dtype, True, None, axis)
     qmax = 2 ** (num_bits - 1 + int(unsigned)) - 1
     qmin = 0 if unsigned else (-qmax if narrow else -qmax - 1)
-    return _QDQ.apply(inputs, amax, qmin, qmax)
+    fused = _fused(inputs.device) and flat_shapes(inputs, amax) is not None
+    return (QDQFunction if fused else _QDQ).apply(inputs, amax, qmin, qmax)
 
 
 def register() -> None:
