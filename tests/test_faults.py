@@ -1,7 +1,9 @@
 """Faults during `qat.py quantize` leave complete, consistent files: Ctrl-C (SIGINT to the process group, as a
-terminal sends it) and SIGKILL during calibration, during fine-tuning and while a checkpoint is written, and a
-full disk. After each: every file on disk is complete and loads, report.json agrees with the checkpoints
-present, Ctrl-C ends with one line saying what was saved, and the same command with --exist-ok works.
+terminal sends it) and SIGKILL during calibration, during fine-tuning and while a checkpoint is written, SIGTERM
+and SIGHUP (schedulers, docker stop, a closed SSH session) during calibration and fine-tuning, in one process and
+under torchrun, and a full disk. After each: every file on disk is complete and loads, report.json agrees with
+the checkpoints present, Ctrl-C, SIGTERM and SIGHUP end with one line saying what was saved (rank 0's alone) and
+status 128 + the signal's number, and the same command with --exist-ok works.
 
 The process is stopped at each point by tests/faults/sitecustomize.py (on PYTHONPATH of the run only): a real
 run that waits at a real point of its work until the signal comes.
