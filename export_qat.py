@@ -31,6 +31,7 @@ from pathlib import Path  # noqa: E402
 
 from utils.qat.errors import QATError, run_cli  # noqa: E402
 from utils.qat.safe_load import add_trust_flag  # noqa: E402
+from utils.qat.provenance import sha256  # noqa: E402
 
 INCLUDE = {"onnx": ".onnx", "onnx_end2end": "-end2end.onnx"}
 NMS_BACKENDS = ("onnx", "trt")
@@ -122,7 +123,7 @@ def main(args: argparse.Namespace) -> list[dict]:
         report = export_onnx(model, output_path(weights, include), imgsz=imgsz, batch_size=args.batch_size,
                              dynamic=args.dynamic, opset=args.opset, simplify=args.simplify, half=args.half,
                              end2end=end2end, task=task, device=device,
-                             allow_fp=fp_patterns, metadata={"source": weights.name})
+                             allow_fp=fp_patterns, metadata={"source": weights.name, "source_sha256": sha256(weights)})
         print(format_report(report))
         if report["simplify"].startswith("failed"):
             print(f"notice: simplification failed, {report['path']} is the unsimplified graph "

@@ -22,6 +22,7 @@ from pathlib import Path  # noqa: E402
 
 from utils.qat.errors import QATError, run_cli  # noqa: E402
 from utils.qat.safe_load import add_trust_flag  # noqa: E402
+from utils.qat.provenance import sha256  # noqa: E402
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -68,7 +69,8 @@ def main(args: argparse.Namespace) -> dict:
     report = export_onnx(model, out, imgsz=imgsz, batch_size=args.batch, dynamic=args.dynamic, dynamic_hw=False,
                          opset=args.opset, simplify=args.simplify, task=task, post=DeepStreamOutput(),
                          input_names=["input"], output_names=["output"], allow_fp=fp_patterns,
-                         metadata={"source": weights.name, "layout": "deepstream-yolo", "head": kind})
+                         metadata={"source": weights.name, "source_sha256": sha256(weights), "layout": "deepstream-yolo",
+                                   "head": kind})
     labels = out.with_name("labels.txt")
     try:
         write_text(labels, "".join(f"{model.names[i]}\n" for i in sorted(model.names)))

@@ -5,7 +5,9 @@
 # scripts/ and segment/. What was installed is recorded in YOLOV9_DIR/.yolov9-qat-manifest
 # (one line per file: path, sha256, toolkit version; one line per directory the overlay created:
 # path/, "-", version), so that a re-run touches only the toolkit's own files and --uninstall
-# removes exactly those. Upstream files are never overwritten or deleted.
+# removes exactly those. Upstream files are never overwritten or deleted. Installed from a git
+# clone, the version names its commit: 0.1.0+g<commit> (.dirty: overlay files had uncommitted
+# changes), which utils/qat/provenance.py reads to record in every report and checkpoint.
 set -euo pipefail
 
 readonly MANIFEST_NAME=.yolov9-qat-manifest
@@ -152,6 +154,7 @@ check_writable() {
 OV_FILES=()
 declare -A OV_SHA=() OV_MODE=()
 VERSION=
+LABEL=
 
 list_overlay() {
     cd "$REPO"
@@ -163,9 +166,24 @@ list_overlay() {
     done
 }
 
+# LABEL: the version the manifest records, VERSION+g<commit>[.dirty] when $REPO is the top of a git
+# clone (not a copy inside some other repository), else VERSION.
+source_label() {
+    local top commit
+    LABEL=$VERSION
+    top=$(git -C "$REPO" rev-parse --show-toplevel 2>/dev/null) || return 0
+    [ "$(cd "$top" 2>/dev/null && pwd -P)" = "$REPO" ] || return 0
+    commit=$(git -C "$REPO" rev-parse --verify -q HEAD 2>/dev/null) || return 0
+    LABEL=$VERSION+g$commit
+    if [ -n "$(git -C "$REPO" status --porcelain -- "${OVERLAY_DIRS[@]}" ':(glob)*.py' 2>/dev/null)" ]; then
+        LABEL=$LABEL.dirty
+    fi
+}
+
 load_overlay() {
     VERSION=$(sed -n "s/^__version__ *= *[\"']\([^\"']*\)[\"'].*/\1/p" "$REPO/utils/qat/__init__.py" 2>/dev/null | head -n 1)
     [ -n "$VERSION" ] || die "cannot read the toolkit version from $REPO/utils/qat/__init__.py (is this a complete yolov9-qat checkout?)."
+    source_label
     local f
     while IFS= read -r -d '' f; do
         f=${f#./}
@@ -436,14 +454,14 @@ do_install() {
         if [ "${action[$f]}" = keep ]; then
             lines+=("$f"$'\t'"${M_SHA[$f]}"$'\t'"${M_VER[$f]}")
         else
-            lines+=("$f"$'\t'"${OV_SHA[$f]}"$'\t'"$VERSION")
+            lines+=("$f"$'\t'"${OV_SHA[$f]}"$'\t'"$LABEL")
         fi
     done
     local -A dir_seen=()
     for d in "${dirs[@]}"; do
         [ -d "$TREE/$d" ] && [ -z "${dir_seen[$d]:-}" ] || continue
         dir_seen[$d]=1
-        lines+=("$d"$'\t-\t'"$VERSION")
+        lines+=("$d"$'\t-\t'"$LABEL")
     done
     write_manifest "${lines[@]}"
 

@@ -16,7 +16,7 @@ from pathlib import Path  # noqa: E402
 from typing import TYPE_CHECKING  # noqa: E402
 
 
-from utils.qat import checkpoint, distributed, reports, validate  # noqa: E402
+from utils.qat import checkpoint, distributed, provenance, reports, validate  # noqa: E402
 from utils.qat.data import DEFAULT_HYPS, NO_HYP, check_imgsz, data_argument, hyp_argument, load_data_yaml, load_hyp  # noqa: E402
 from utils.qat.device import select_device  # noqa: E402
 from utils.qat.errors import QATError, run_cli  # noqa: E402
@@ -238,7 +238,7 @@ def cmd_sensitive(args) -> Path:
     skip = ",".join(str(r["layer"]) for r in top if r["gain"] > 0)
     summary = {"weights": args.weights, "task": args.task, "calib_method": args.calib_method, "num_image": base.images,
                "ptq_AP": round(base.mAP50_95, 4), "layers": layers, "suggested_skip_layers": skip,
-               "arguments": vars(args)}
+               "arguments": vars(args), "provenance": provenance.record(args.weights)}
     if args.task == "segment":
         summary["ptq_box_AP"] = round(base.box.mAP50_95, 4)
     write_text(out / "summary-sensitive-analysis.json", json.dumps(summary, indent=2))
@@ -258,6 +258,7 @@ def cmd_eval(args) -> Path:
     from utils.qat.run_record import print_table
     device = _one_process_device(args.device, "eval", args.task)
     ckpt = checkpoint.read(args.weights, trust=args.trust_weights)
+    source = provenance.record(args.weights)
     if checkpoint.is_quantized(ckpt):
         model, info, _ = checkpoint.load_quantized(args.weights, task=args.task, ckpt=ckpt)
         kind = f"INT8 ({info.config.method})"
@@ -272,9 +273,10 @@ def cmd_eval(args) -> Path:
     m, seconds = _score(args, data, device)(model, f"eval {kind}", num_images=args.num_image,
                                             save_json=out / "predictions.json" if args.save_json else None)
     row = reports.entry(Path(args.weights).stem, args.weights, m, seconds, kind=kind)
-    write_text(out / "results.json", json.dumps({**row, **reports.per_class(m)}, indent=2))
+    write_text(out / "results.json", json.dumps({**row, **reports.per_class(m), "provenance": source}, indent=2))
     print_table([row])
-    print(f"\nresults in {out}/results.json")
+    print(f"\nscored {args.weights} (sha256 {source['weights_sha256']})")
+    print(f"results in {out}/results.json")
     return out
 
 

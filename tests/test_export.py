@@ -6,6 +6,7 @@ PyTorch. EfficientNMS_TRT graphs are checked structurally (no CPU runtime implem
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -147,6 +148,8 @@ def test_fp_static_export_matches_pytorch(fp_model, fp_static, images):
     assert meta["stride"] == "32" and meta["task"] == "detect" and meta["quantized"] == "false"
     assert json.loads(meta["names"])["0"] == "person" and json.loads(meta["imgsz"]) == [IMGSZ, IMGSZ]
     assert meta["source"] == "gelan-c.pt" and meta["version"]
+    from utils.qat.provenance import toolkit_commit
+    assert meta.get("toolkit_commit") == toolkit_commit()  # None (absent) where the tree records no commit
     diff = np.abs(_run(out, images)["output0"] - _torch(fp_model, images))
     print(f"FP static: max |ORT - PyTorch| boxes {diff[:, :4].max():.2e} px, scores {diff[:, 4:].max():.2e}")
     assert diff[:, :4].max() < 2e-3 and diff[:, 4:].max() < 1e-4
@@ -168,7 +171,7 @@ def test_fp_dynamic_export_runs_at_two_sizes(fp_model, fp_dynamic, images):
 
 @pytest.mark.slow
 @pytest.mark.e2e
-def test_qat_reference_command_plain(qat_plain_cli, qat_model, images):
+def test_qat_reference_command_plain(qat_plain_cli, qat_ckpt, qat_model, images):
     """export_qat.py --include onnx --dynamic --simplify --inplace (the reference README's command)."""
     r, out = qat_plain_cli
     assert out.is_file() and str(out) in r.stdout
@@ -182,6 +185,7 @@ def test_qat_reference_command_plain(qat_plain_cli, qat_model, images):
     assert s["opset"] == 17 and s["quantized_conv"] == s["conv"] - 1  # every conv but the DFL's
     assert s["qdq_pairs"] > 100 and s["dequantize_linear"] == s["qdq_pairs"] + s["quantized_conv"]
     assert _meta(out)["quantized"] == "true"
+    assert _meta(out)["source_sha256"] == hashlib.sha256(qat_ckpt.read_bytes()).hexdigest()  # what it exported
     # weights are stored as INT8, exactly the integers PyTorch's fake quantization uses
     from onnx import numpy_helper
     from utils.qat.onnx_export import quantized_weights

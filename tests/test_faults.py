@@ -1,7 +1,9 @@
 """Faults during `qat.py quantize` leave complete, consistent files: Ctrl-C (SIGINT to the process group, as a
-terminal sends it) and SIGKILL during calibration, during fine-tuning and while a checkpoint is written, and a
-full disk. After each: every file on disk is complete and loads, report.json agrees with the checkpoints
-present, Ctrl-C ends with one line saying what was saved, and the same command with --exist-ok works.
+terminal sends it) and SIGKILL during calibration, during fine-tuning and while a checkpoint is written, SIGTERM
+and SIGHUP (schedulers, docker stop, a closed SSH session) during calibration and fine-tuning, in one process and
+under torchrun, and a full disk. After each: every file on disk is complete and loads, report.json agrees with
+the checkpoints present, Ctrl-C, SIGTERM and SIGHUP end with one line saying what was saved (rank 0's alone) and
+status 128 + the signal's number, and the same command with --exist-ok works.
 
 The process is stopped at each point by tests/faults/sitecustomize.py (on PYTHONPATH of the run only): a real
 run that waits at a real point of its work until the signal comes.
@@ -11,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -56,39 +59,72 @@ def _sigint_default() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def _interrupted_runs(tree: Path, shapes: Path, project: Path, sig: signal.Signals, workers: int = 0) -> dict:
-    """One run per stage, side by side (one thread each), each stopped at its stage and sent ``sig``. Returns
-    stage -> (run folder, exit status, stderr). Output goes to files: a pipe would also wait for any process
-    the run left behind."""
+TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2")
+
+
+def _ranks(launcher: int) -> list[int]:
+    """The processes of torchrun's ranks, rank 0 first: its children that lead their own session (torchrun starts
+    each rank so, and ends it by signalling that session), read from /proc."""
+    children = [int(c) for t in Path(f"/proc/{launcher}/task").iterdir() for c in (t / "children").read_text().split()]
+    ranks = {}
+    for pid in children:
+        with contextlib.suppress(OSError):
+            env = dict(v.split("=", 1) for v in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in v)
+            if os.getsid(pid) == pid and "RANK" in env:
+                ranks[int(env["RANK"])] = pid
+    return [ranks[r] for r in sorted(ranks)]
+
+
+def _interrupted_runs(tree: Path, shapes: Path, project: Path, cases: list[tuple[str, signal.Signals]],
+                      workers: int = 0, ddp: bool = False) -> dict:
+    """One run per (stage, signal) case, side by side (one thread each), each stopped at its stage and sent its
+    signal. ``ddp``: 2 processes under torchrun (gloo), each rank's stderr in its own file; the signal goes to
+    each rank's session, rank 0 first, as torchrun forwards a signal it receives. Returns (stage, signal) ->
+    (run folder, exit status, stderr, [each rank's stderr]). Output goes to files: a pipe would also wait for any
+    process the run left behind."""
     procs = {}
-    for stage in STAGES:
-        mark, log = project / f"{stage}.mark", project / f"{stage}.stderr"
+    for stage, sig in cases:
+        name = f"{stage}-{sig.name}"
+        mark, log, logs = project / f"{name}.mark", project / f"{name}.stderr", project / f"{name}-ranks"
+        command = _command(shapes, project, name, workers)
+        if ddp:
+            command = [command[0], *TORCHRUN, "--log-dir", str(logs), "--redirects", "3", *command[1:]]
         with open(log, "w") as err:
-            procs[stage] = (mark, log, subprocess.Popen(
-                _command(shapes, project, stage, workers), cwd=tree, start_new_session=True,
-                preexec_fn=_sigint_default, stdout=subprocess.DEVNULL, stderr=err,
-                env=_env(YOLOV9_QAT_TEST_PAUSE=stage, YOLOV9_QAT_TEST_MARK=str(mark), OMP_NUM_THREADS="1")))
+            procs[stage, sig] = (name, mark, log, subprocess.Popen(
+                command, cwd=tree, start_new_session=True, preexec_fn=_sigint_default, stdout=subprocess.DEVNULL,
+                stderr=err, env=_env(YOLOV9_QAT_TEST_PAUSE=stage, YOLOV9_QAT_TEST_MARK=str(mark), OMP_NUM_THREADS="1")))
     results = {}
     try:
-        for stage, (mark, log, proc) in procs.items():
+        for (stage, sig), (name, mark, log, proc) in procs.items():
             deadline = time.time() + 300
             while not mark.exists():
-                assert proc.poll() is None, f"{stage}: exited {proc.returncode} before its stop: {log.read_text()}"
-                assert time.time() < deadline, f"{stage}: never reached its stop"
+                assert proc.poll() is None, f"{name}: exited {proc.returncode} before its stop: {log.read_text()}"
+                assert time.time() < deadline, f"{name}: never reached its stop"
                 time.sleep(0.2)
-            os.killpg(proc.pid, sig)  # the whole group: the dataloader workers too, as a terminal's Ctrl-C does
+            groups = _ranks(proc.pid) if ddp else [proc.pid]
+            assert len(groups) == (2 if ddp else 1), groups
+            for pgid in groups:  # each whole group: the dataloader workers too, as a terminal's Ctrl-C does
+                os.killpg(pgid, sig)
             try:
                 proc.wait(timeout=300)
             except subprocess.TimeoutExpired:
-                proc.send_signal(signal.SIGUSR1)  # its threads' stacks, to its stderr
+                for pid in groups:
+                    os.kill(pid, signal.SIGUSR1)  # its threads' stacks, to its stderr
                 time.sleep(3)
-                pytest.fail(f"{stage}: still running 300 s after {sig.name}: {log.read_text()[-8000:]}")
-            assert _group_gone(proc.pid, 60), f"{stage}: processes left behind after {sig.name}"
-            results[stage] = (project / stage, proc.returncode, log.read_text())
+                pytest.fail(f"{name}: still running 300 s after {sig.name}: {log.read_text()[-8000:]}")
+            for pgid in [proc.pid, *groups]:
+                assert _group_gone(pgid, 60), f"{name}: processes left behind after {sig.name}"
+            ranks = [next((project / f"{name}-ranks").rglob(f"attempt_0/{r}/stderr.log")).read_text()
+                     for r in range(len(groups))] if ddp else [log.read_text()]
+            results[stage, sig] = (project / name, proc.returncode, log.read_text(), ranks)
     finally:
-        for _, _, proc in procs.values():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
+        for _, _, _, proc in procs.values():
+            groups = [proc.pid]
+            with contextlib.suppress(OSError):
+                groups += _ranks(proc.pid) if ddp else []
+            for pgid in reversed(groups):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pgid, signal.SIGKILL)
             proc.wait()
     return results
 
@@ -122,39 +158,79 @@ def check_run_folder(run: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def sigkilled(yolov9_tree, shapes, tmp_path_factory):
-    return _interrupted_runs(yolov9_tree, shapes, tmp_path_factory.mktemp("sigkill"), signal.SIGKILL)
+    return _interrupted_runs(yolov9_tree, shapes, tmp_path_factory.mktemp("sigkill"),
+                             [(stage, signal.SIGKILL) for stage in STAGES])
 
 
 @pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.parametrize("stage", STAGES)
 def test_sigkill_leaves_complete_consistent_files(sigkilled, stage):
-    run, rc, _err = sigkilled[stage]
+    run, rc, _err, _ = sigkilled[stage, signal.SIGKILL]
     assert rc == -signal.SIGKILL
     report = check_run_folder(run)
     assert [m["name"] for m in report["models"]] == (["Origin", "PTQ"] if stage == "finetune" else ["Origin"])
     assert not report["epochs"]
 
 
+#: What a run stopped at each stage has saved (its last line says so).
+SAVED = {"calibration": "report.json, report.md", "checkpoint": "report.json, report.md",
+         "finetune": "report.json, report.md, weights/ptq_ap_"}
+#: Ctrl-C at every stage; SIGTERM and SIGHUP, which take Ctrl-C's path with another number, at calibration and at
+#: fine-tuning across the one-process and the torchrun runs (a Latin square: each pair of signal and stage once,
+#: each kind of run sees both signals and both stages; 4 runs instead of 8).
+STOPS = [(stage, signal.SIGINT) for stage in STAGES] + [("calibration", signal.SIGTERM), ("finetune", signal.SIGHUP)]
+DDP_STOPS = [("calibration", signal.SIGHUP), ("finetune", signal.SIGTERM)]
+
+
+@pytest.fixture(scope="module")
+def stopped(yolov9_tree, shapes, tmp_path_factory):
+    """The runs of STOPS, side by side, with a dataloader worker each (it gets the signal too)."""
+    return _interrupted_runs(yolov9_tree, shapes, tmp_path_factory.mktemp("stopped"), STOPS, workers=1)
+
+
+def _check_stop_line(run: Path, stage: str, sig: signal.Signals, err: str) -> None:
+    """A run stopped by ``sig`` ended with one line saying so and what was saved, and no traceback."""
+    assert "Traceback" not in err, (stage, sig.name, err[-3000:])
+    how = "interrupted" if sig == signal.SIGINT else f"stopped by {sig.name}"
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and err.strip().splitlines()[-1] == lines[0], (stage, sig.name, err[-2000:])
+    assert lines[0].startswith(f"error: {how}; saved in {run}: {SAVED[stage]}"), (stage, lines[0])
+    assert lines[0].endswith("(each file complete; nothing half-written was kept)."), lines[0]
+
+
 @pytest.mark.slow
 @pytest.mark.e2e
-def test_ctrl_c_one_line_saying_what_was_saved(yolov9_tree, shapes, tmp_path):
-    saved = {"calibration": "report.json, report.md", "checkpoint": "report.json, report.md",
-             "finetune": "report.json, report.md, weights/ptq_ap_"}
-    runs = _interrupted_runs(yolov9_tree, shapes, tmp_path, signal.SIGINT, workers=1)  # workers get SIGINT too
-    for stage, (run, rc, err) in runs.items():
-        assert rc == 130, (stage, err[-2000:])
-        assert "Traceback" not in err, (stage, err[-3000:])
-        last = err.strip().splitlines()[-1]
-        assert last.startswith(f"error: interrupted; saved in {run}: {saved[stage]}"), (stage, last)
-        assert last.endswith("(each file complete; nothing half-written was kept)."), last
-        check_run_folder(run)
+@pytest.mark.parametrize("stage,sig", STOPS, ids=[f"{stage}-{sig.name}" for stage, sig in STOPS])
+def test_stop_signal_one_line_saying_what_was_saved(stopped, stage, sig):
+    """Ctrl-C (SIGINT to the process group, as a terminal sends it), SIGTERM and SIGHUP (schedulers, docker stop,
+    a closed SSH session): exit status 128 + the signal's number, one line, no traceback, every file whole."""
+    run, rc, err, _ = stopped[stage, sig]
+    assert rc == 128 + sig, (stage, sig.name, rc, err[-2000:])
+    _check_stop_line(run, stage, sig, err)
+    check_run_folder(run)
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_stop_signal_under_torchrun(yolov9_tree, shapes, tmp_path):
+    """2 processes (gloo), each sent the signal as torchrun forwards one: at calibration rank 0 calibrates while
+    rank 1 waits in the broadcast of its amax; at fine-tuning both wait at an optimizer step. Rank 0 prints the
+    one line, rank 1 nothing; both exit 128 + the signal's number (torchrun's report of its ranks); files whole."""
+    runs = _interrupted_runs(yolov9_tree, shapes, tmp_path, DDP_STOPS, workers=1, ddp=True)
+    for (stage, sig), (run, rc, launcher, (rank0, rank1)) in runs.items():
+        assert rc != 0
+        statuses = re.findall(r"rank\s*: (\d) \(local_rank: \d\)\n\s*exitcode\s*: (-?\d+)", launcher)
+        assert sorted(statuses) == [("0", str(128 + sig)), ("1", str(128 + sig))], (stage, sig.name, launcher[-3000:])
+        _check_stop_line(run, stage, sig, rank0)
+        assert rank1.strip() == "", (stage, sig.name, rank1[-3000:])
+        assert check_run_folder(run)["world_size"] == 2
 
 
 @pytest.mark.slow
 @pytest.mark.e2e
 def test_rerun_with_exist_ok_after_sigkill(yolov9_tree, shapes, sigkilled):
-    run, _, _ = sigkilled["finetune"]
+    run, _, _, _ = sigkilled["finetune", signal.SIGKILL]
     r = subprocess.run(_command(shapes, run.parent, run.name), cwd=yolov9_tree, capture_output=True, text=True,
                        env=_env(), timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -218,3 +294,63 @@ def test_atomic_file_whole_or_nothing(yolov9_tree, tmp_path):
     os.umask(umask)
     assert target.stat().st_mode & 0o777 == 0o666 & ~umask
     assert saved_summary().startswith("saved in ") and "report.json" in saved_summary()
+
+
+# ---- run_cli and stop signals, in a small Python process (no model: a tenth of a second each) -----------------
+
+_STOP_SCRIPT = """
+import multiprocessing, os, signal, sys, time
+from pathlib import Path
+from utils.qat.atomic import atomic_file, write_text
+from utils.qat.errors import run_cli
+
+def main():
+    with multiprocessing.Pool(1) as pool:  # its worker inherits run_cli's handlers; the pool ends it by SIGTERM
+        assert pool.map(abs, [-1]) == [1]
+    write_text(Path(sys.argv[2]) / "saved.txt", "whole")
+    try:
+        with atomic_file(Path(sys.argv[2]) / "half.bin") as f:
+            f.write(b"half")
+            os.kill(os.getpid(), getattr(signal, sys.argv[1]))
+            time.sleep(1)  # the handler raises as soon as the signal lands; SIGHUP under nohup does not
+    finally:
+        os.kill(os.getpid(), signal.SIGTERM)  # a second signal, and Ctrl-C, while the run cleans up: ignored
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.1)
+        print("cleaned up")
+
+run_cli(main)
+"""
+
+
+def _stop_script(tree: Path, folder: Path, sig: str, nohup: bool = False, **env: str):
+    folder.mkdir()
+    return subprocess.run([sys.executable, "-c", _STOP_SCRIPT, sig, str(folder)], cwd=tree, capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(tree), **env},
+                          preexec_fn=lambda: [signal.signal(signal.SIGINT, signal.SIG_DFL),  # as _sigint_default
+                                              nohup and signal.signal(signal.SIGHUP, signal.SIG_IGN)])
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP", "SIGINT"])
+def test_run_cli_ends_a_stopped_run(yolov9_tree, tmp_path, sig):
+    """128 + the signal's number, one line naming it and what was saved, no traceback (the pool's worker, ended
+    by the pool's SIGTERM, too); cleanup runs to its end through a second signal; no half-written file."""
+    r = _stop_script(yolov9_tree, tmp_path / "out", sig)
+    number = getattr(signal, sig)
+    assert r.returncode == 128 + number, r.stderr
+    how = "interrupted" if sig == "SIGINT" else f"stopped by {sig}"
+    assert r.stderr == (f"error: {how}; saved in {tmp_path / 'out'}: saved.txt (each file complete; nothing "
+                        "half-written was kept).\n")
+    assert r.stdout == "cleaned up\n" and [p.name for p in (tmp_path / "out").iterdir()] == ["saved.txt"]
+
+
+def test_run_cli_stop_signals_on_other_ranks_and_under_nohup(yolov9_tree, tmp_path):
+    """A torchrun rank other than 0 stops quietly with the same status; SIGHUP ignored from the start (nohup)
+    stays ignored: the run goes on until the SIGTERM in its ``finally``."""
+    r = _stop_script(yolov9_tree, tmp_path / "rank1", "SIGHUP", WORLD_SIZE="2", RANK="1")
+    assert r.returncode == 128 + signal.SIGHUP and r.stderr == "" and r.stdout == ""  # rank 1 prints no results
+    r = _stop_script(yolov9_tree, tmp_path / "nohup", "SIGHUP", nohup=True)
+    assert r.returncode == 128 + signal.SIGTERM, r.stderr
+    assert r.stderr.startswith("error: stopped by SIGTERM; saved in ")
+    assert r.stdout == ""  # that SIGTERM was the first stop: it ended the cleanup's wait
+    assert sorted(p.name for p in (tmp_path / "nohup").iterdir()) == ["half.bin", "saved.txt"]  # written whole

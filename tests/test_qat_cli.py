@@ -1,6 +1,7 @@
 """qat.py quantize | sensitive | eval, run the way users run them, on the embedded model and data."""
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pytest
@@ -59,8 +60,14 @@ def test_quantize_report(yolov9_tree, quantize_run):
     hyp = yolov9_tree / "data/hyps/hyp.scratch-high.yaml"  # the default, resolved in the tree, printed and recorded
     assert args["hyp"] == str(hyp)
     assert f"hyp: {hyp} (augmentation of the fine-tuning images; the default for detect)" in r.stdout
-    from utils.qat import checkpoint
+    from utils.qat import __version__, checkpoint
+    from utils.qat.provenance import toolkit_commit
     assert checkpoint.read(run / "weights" / "qat_best_gelan-qs-shapes.pt")["args"] == args
+    # provenance: the weights it started from (their sha256) and the toolkit, in report.json and every checkpoint
+    assert report["provenance"] == {"weights": str(QS), "weights_sha256": hashlib.sha256(QS.read_bytes()).hexdigest(),
+                                    "toolkit_version": __version__, "toolkit_commit": toolkit_commit()}
+    for ckpt in (run / "weights").glob("*.pt"):
+        assert checkpoint.read(ckpt)["provenance"] == report["provenance"], ckpt.name
     md = (run / "report.md").read_text()
     assert "| Origin |" in md and "INT8 QAT vs Origin" in md and "INT8 PTQ vs Origin" in md
     assert "INT8 QAT vs Origin" in r.stdout  # the console shows the same table
@@ -75,12 +82,15 @@ def test_eval_reproduces_report(yolov9_tree, shapes, quantize_run, tmp_path):
     run, _ = quantize_run
     report = json.loads((run / "report.json").read_text())
     qat = next(m for m in report["models"] if m["name"] == "QAT")
-    r = run_tool(yolov9_tree, "qat.py", "eval", "--weights", str(run / "weights" / "qat_best_gelan-qs-shapes.pt"),
+    best = run / "weights" / "qat_best_gelan-qs-shapes.pt"
+    r = run_tool(yolov9_tree, "qat.py", "eval", "--weights", str(best),
                  "--data", str(shapes), "--device", "cpu", "--batch-size", "8", "--imgsz", IMGSZ,
                  "--project", str(tmp_path), "--name", "e", "--workers", "2")
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads((tmp_path / "e" / "results.json").read_text())
     assert result["AP"] == qat["AP"] and result["AP50"] == qat["AP50"]
+    sha = hashlib.sha256(best.read_bytes()).hexdigest()  # the file it scored, printed and recorded
+    assert f"scored {best} (sha256 {sha})" in r.stdout and result["provenance"]["weights_sha256"] == sha
 
 
 @pytest.mark.slow
@@ -107,6 +117,7 @@ def test_sensitive(yolov9_tree, shapes, tmp_path):
     out = tmp_path / "analysis"
     summary = json.loads((out / "summary-sensitive-analysis.json").read_text())
     assert summary["num_image"] == 8
+    assert summary["provenance"]["weights_sha256"] == hashlib.sha256(QS.read_bytes()).hexdigest()
     layers = summary["layers"]
     assert len(layers) >= 20 and all({"layer", "module", "AP", "gain"} <= set(l) for l in layers)
     assert [l["AP"] for l in layers] == sorted((l["AP"] for l in layers), reverse=True)

@@ -3,8 +3,8 @@
 A quantized model cannot be pickled whole (modelopt's dynamic modules), so its checkpoint carries
 what is needed to rebuild it in a fresh process with nothing but the patched tree: the model yaml,
 class names, stride, modelopt state, state dict, the quantization record (``QuantInfo``: the calibration
-settings, the layers kept in FP, the shared-scale groups), the arguments of the run that made it and the
-toolkit version.
+settings, the layers kept in FP, the shared-scale groups), the arguments of the run that made it, the
+toolkit version and ``provenance`` (the sha256 of the weights it was made from, the toolkit's version and commit).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from utils.qat import __version__, safe_load, yolov9
+from utils.qat import __version__, provenance, safe_load, yolov9
 from utils.qat.atomic import write_bytes
 from utils.qat.errors import QATError
 
@@ -71,9 +71,11 @@ def load_fp(path: str | os.PathLike, task: str = "detect", ckpt: dict | None = N
 
 
 def save_quantized(path: str | os.PathLike, model: nn.Module, info, *, epoch: int | None = None,
-                   metrics: dict | None = None, task: str = "detect", arguments: dict | None = None) -> Path:
+                   metrics: dict | None = None, task: str = "detect", arguments: dict | None = None,
+                   source: dict | None = None) -> Path:
     """Write a quantized checkpoint atomically. ``info``: its ``QuantInfo``; ``arguments``: what the run that
-    made it was given (stored as ``args``)."""
+    made it was given (stored as ``args``); ``source``: ``provenance.record(weights)`` of the weights it was made
+    from (stored as ``provenance``; without it, the toolkit's version and commit alone)."""
     import modelopt.torch.opt as mto
     ckpt = {
         "format": FORMAT,
@@ -89,6 +91,7 @@ def save_quantized(path: str | os.PathLike, model: nn.Module, info, *, epoch: in
         "args": arguments or {},
         "epoch": epoch,
         "metrics": metrics or {},
+        "provenance": source or provenance.record(),
     }
     buffer = io.BytesIO()  # serialised first: a full disk then fails in a plain write, with its errno
     torch.save(ckpt, buffer)

@@ -12,7 +12,7 @@
    report's Q/DQ counts come from that same lint),
 5. optionally appends NMS (``end2end.append_nms``),
 6. writes metadata (``utils.qat.artifact``: ``stride``, ``names`` as JSON, ``task``, ``imgsz``; and ``quantized``,
-   ``version``, ...)
+   ``version``, ``toolkit_commit`` where known, ...)
    and saves the file atomically: nothing half-written is left on any error.
 
 The detection head is put in export mode on the head *instance* only, and restored afterwards. Dual
@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 from onnx import numpy_helper
 
-from utils.qat import __version__, onnx_qdq, yolov9
+from utils.qat import __version__, onnx_qdq, provenance, yolov9
 from utils.qat.artifact import ArtifactMeta, write_props
 from utils.qat.atomic import atomic_path
 from utils.qat.errors import QATError
@@ -307,7 +307,8 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, *, imgsz: int | Seque
     - ``allow_fp``: module-name patterns of layers kept in FP on purpose (the checkpoint's
       ``fp_patterns``), not reported by the Q/DQ lint.
     - ``metadata``: extra ONNX metadata; ``stride``, ``names`` (JSON ``{index: name}``), ``task``,
-      ``imgsz``, ``batch``, ``dynamic``, ``quantized``, ``half``, ``end2end`` and ``version`` are always set.
+      ``imgsz``, ``batch``, ``dynamic``, ``quantized``, ``half``, ``end2end`` and ``version`` are always set,
+      ``toolkit_commit`` where the installed toolkit records one (``utils.qat.provenance``).
 
     The report: ``path``, ``size``, ``inputs``/``outputs`` (name, shape, dtype), ``opset``, ``quantized``,
     ``qdq_pairs`` (activation Q -> DQ), ``int8_weights`` (weights stored as INT8 -> DQ),
@@ -401,6 +402,8 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, *, imgsz: int | Seque
                 "version": __version__,
                 "producer": "yolov9-qat export_onnx",
             }
+            if provenance.toolkit_commit():
+                meta["toolkit_commit"] = provenance.toolkit_commit()
             meta.update({k: v for k, v in (metadata or {}).items() if v is not None})
             write_props(onnx_model, meta)
             onnx_model.producer_name = "yolov9-qat"

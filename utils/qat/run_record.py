@@ -5,7 +5,8 @@
 
 It keeps the run folder ``out`` current after every stage: the checkpoints in ``out/weights`` (``ptq_*``,
 ``qat_ep_*``, ``qat_best_*``), report.json / report.md / qat_ap.png, and prints the tables. report.json and
-every checkpoint record ``arguments``: everything the run was given (for the CLI, every flag's value).
+every checkpoint record ``arguments``: everything the run was given (for the CLI, every flag's value), and
+``provenance``: the weights file and its sha256, the toolkit's version and commit (``utils.qat.provenance``).
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from utils.qat import checkpoint, reports
+from utils.qat import checkpoint, provenance, reports
 from utils.qat.atomic import copy_file
 
 if TYPE_CHECKING:
@@ -62,7 +63,8 @@ class RunRecorder:
         self.title = title or f"yolov9-qat: {Path(weights).name}"
         self.rows: list[dict] = []
         self.epochs: list[dict] = []
-        self.meta: dict = {"world_size": world_size, "arguments": self.arguments}
+        self.source = provenance.record(weights)  # hashed once: every checkpoint of the run records it
+        self.meta: dict = {"world_size": world_size, "arguments": self.arguments, "provenance": self.source}
         self.best_path = self.wdir / f"qat_best_{self.stem}.pt"
         self.ptq_ap: float | None = None
         self.best_ap: float | None = None
@@ -74,7 +76,7 @@ class RunRecorder:
 
     def _save(self, path: Path, qmodel: nn.Module, info: QuantInfo, epoch: int, metrics: dict | None) -> None:
         checkpoint.save_quantized(path, qmodel, info, epoch=epoch, metrics=metrics, task=self.task,
-                                  arguments=self.arguments)
+                                  arguments=self.arguments, source=self.source)
 
     def origin(self, fp: nn.Module) -> None:
         if not self.eval_origin:
