@@ -81,7 +81,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--accumulate", type=int, default=None, help="FP: batches per optimizer step (default: upstream's)")
     p.add_argument("--calib-batches", type=int, default=8)
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS),
-                   help="calibrations to time (entropy: minutes with modelopt's own computation)")
+                   help="calibrations to time (default: all; head-search is the head's scale search after mse)")
     p.add_argument("--loader-batches", type=int, default=0, help="time the data loader alone over this many batches")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
