@@ -61,9 +61,10 @@ def test_fused_fake_quant_is_the_eager_one_bit_for_bit(yolov9_tree, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_fake_quant_picks_fused_on_cuda_and_eager_elsewhere(yolov9_tree, device):
+def test_fake_quant_runs_eager_unless_asked(yolov9_tree, device):
+    """The default is the eager reference: the compiled kernels cost more CPU per call than they save (qdq.py)."""
     from utils.qat.quantize import qdq
-    assert qdq._fused(torch.device(device)) == (device == "cuda")
+    assert not qdq._fused(torch.device(device))
     with qdq.implementation("eager"):
         assert not qdq._fused(torch.device(device))
     with qdq.implementation("fused"):
