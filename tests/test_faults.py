@@ -281,7 +281,8 @@ def test_disk_full(yolov9_tree, shapes, tmp_path):
 
 
 def test_atomic_file_whole_or_nothing(yolov9_tree, tmp_path):
-    from utils.qat.atomic import atomic_file, saved_summary, write_text
+    from utils.qat.atomic import atomic_file, write_text
+    from utils.qat.errors import saved_summary
     target = write_text(tmp_path / "report.json", "old")
     with pytest.raises(RuntimeError):
         with atomic_file(target) as f:

@@ -7,7 +7,7 @@ but whole files. Where the filesystem has no unnamed files, and for writers that
 onto it instead; such a file (``PARTIAL``) can only outlive its run through SIGKILL.
 
 Failures to write (no space, no permission) become a :class:`QATError` naming the file, the cause and the
-fix, and saying which files this process saved before (:func:`saved_summary`, also what Ctrl-C prints).
+fix, and saying which files this process saved before (``errors.saved_summary``, also what Ctrl-C prints).
 """
 from __future__ import annotations
 
@@ -19,10 +19,9 @@ import tempfile
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
-from utils.qat.errors import QATError
+from utils.qat.errors import QATError, record_saved, saved_summary
 
 PARTIAL = ".*.part"  # the pattern of the named temporary files (hidden, beside their destination)
-_saved: dict[str, None] = {}  # files this process completed, in order
 
 
 def _partial_name(dest: Path) -> Path:
@@ -105,7 +104,7 @@ def atomic_file(dest: str | os.PathLike) -> Iterator[BinaryIO]:
             f.flush()
             os.fsync(f.fileno())
             _link(f.fileno(), dest)
-    _saved[str(dest)] = None
+    record_saved(dest)
 
 
 @contextlib.contextmanager
@@ -121,7 +120,7 @@ def atomic_path(dest: str | os.PathLike) -> Iterator[Path]:
             os.replace(tmp, dest)
         finally:
             tmp.unlink(missing_ok=True)
-    _saved[str(dest)] = None
+    record_saved(dest)
 
 
 def write_bytes(dest: str | os.PathLike, data: bytes | memoryview) -> Path:
@@ -138,19 +137,3 @@ def copy_file(src: str | os.PathLike, dest: str | os.PathLike) -> Path:
     with open(src, "rb") as source, atomic_file(dest) as f:
         shutil.copyfileobj(source, f, length=1 << 20)
     return Path(dest)
-
-
-def saved_summary() -> str:
-    """``saved in FOLDER: a, b/c`` for the files this process completed (that still exist), or ``nothing was
-    saved``; paths inside the current folder are shown relative to it."""
-    paths = [p for p in _saved if os.path.exists(p)]
-    if not paths:
-        return "nothing was saved"
-    base = Path(os.path.commonpath(paths))
-    if len(paths) == 1:
-        base = base.parent
-    try:
-        shown = base.resolve().relative_to(Path.cwd().resolve())
-    except ValueError:
-        shown = base
-    return f"saved in {shown}: " + ", ".join(os.path.relpath(p, base) for p in paths)

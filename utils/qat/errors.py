@@ -1,5 +1,6 @@
-"""One user-facing failure type and the CLI wrapper that turns it into one sentence and exit code 2, and
-ends a run stopped by Ctrl-C, SIGTERM or SIGHUP with one line saying what was saved."""
+"""One user-facing failure type, the files this process saved (what a failure reports), and the CLI wrapper that
+turns a failure into one sentence and exit code 2, and ends a run stopped by Ctrl-C, SIGTERM or SIGHUP with one line
+saying what was saved."""
 from __future__ import annotations
 
 import contextlib
@@ -8,6 +9,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 
 class QATError(Exception):
@@ -17,6 +19,29 @@ class QATError(Exception):
     every process makes alike on the same arguments), True when the ranks agreed on it
     (``distributed.same_on_every_rank``), False when this rank alone raised it inside the process group."""
     every_rank: bool | None = None
+
+
+_saved: dict[str, None] = {}  # files this process completed, in order (utils.qat.atomic records each)
+
+
+def record_saved(path: str | os.PathLike) -> None:
+    _saved[str(path)] = None
+
+
+def saved_summary() -> str:
+    """``saved in FOLDER: a, b/c`` for the files this process completed (that still exist), or ``nothing was
+    saved``; paths inside the current folder are shown relative to it."""
+    paths = [p for p in _saved if os.path.exists(p)]
+    if not paths:
+        return "nothing was saved"
+    base = Path(os.path.commonpath(paths))
+    if len(paths) == 1:
+        base = base.parent
+    try:
+        shown = base.resolve().relative_to(Path.cwd().resolve())
+    except ValueError:
+        shown = base
+    return f"saved in {shown}: " + ", ".join(os.path.relpath(p, base) for p in paths)
 
 
 def secondary_rank() -> bool:
@@ -135,7 +160,6 @@ def run_cli(main: Callable[[], object]) -> None:
             # signal, a peer rank gone from a collective): the run was stopped, and says so once
             signum = stop.signum or signal.SIGINT
             if not quiet:
-                from utils.qat.atomic import saved_summary
                 how = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
                 print(f"error: {how}; {saved_summary()} (each file complete; nothing half-written was kept).",
                       file=sys.stderr)
