@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, Sequence, Union
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -23,9 +23,6 @@ from utils.qat.errors import QATError
 
 if TYPE_CHECKING:
     from os import PathLike
-
-#: What a backend returns: the predictions, ``(pred, protos)`` for segmentation, or End2End's outputs by name.
-Output = Union[torch.Tensor, "tuple[torch.Tensor, ...]", "dict[str, torch.Tensor]"]
 
 #: File suffix -> backend kind; the kind -> the runtime's name in reports.
 FORMATS = {".pt": "torch", ".onnx": "onnxruntime", ".engine": "tensorrt"}
@@ -43,7 +40,7 @@ class Backend(Protocol):
     end2end: bool  # NMS is in the model: the output is a dict of END2END_OUTPUTS
     task: str  # 'detect' or 'segment': what the model predicts
 
-    def __call__(self, images: torch.Tensor) -> Output: ...
+    def __call__(self, images: torch.Tensor) -> yolov9.Output: ...
 
 
 class TorchBackend:

@@ -28,7 +28,8 @@ from utils.qat.data import dataloader
 from utils.qat.progress import progress
 
 if TYPE_CHECKING:
-    from utils.qat.backends import Backend, Output
+    from utils.qat.backends import Backend
+    from utils.qat.yolov9 import Output
 
 
 @dataclass

@@ -33,13 +33,12 @@ from utils.qat.atomic import atomic_path, write_text
 from utils.qat.errors import QATError
 from utils.qat.trt_common import (INSTALL_TENSORRT, check_batches, check_plugin_files, profile_shapes, release,
                                   require_onnx, require_tensorrt, version_tuple)
-from utils.qat.yolov9 import artifact_stride, exported_outputs
+from utils.qat.yolov9 import Output, artifact_stride, exported_outputs
 
 if TYPE_CHECKING:  # torch is imported where it is used, so that the metadata helpers load fast (trtexec path)
     import tensorrt as trt
     import torch
 
-    from utils.qat.backends import Output
 
 METADATA_SUFFIX = ".json"  # the sidecar of X.engine is X.engine.json
 LAYER_INFO_SUFFIX = ".layer.json"  # X.engine.layer.json, as trtexec --exportLayerInfo names it here

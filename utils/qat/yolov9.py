@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence, Union
 
 from utils.qat.errors import QATError
 
@@ -32,7 +32,8 @@ if TYPE_CHECKING:
     from torch import nn
 
 __all__ = ["FAMILIES", "DEFAULT_STRIDE", "head", "head_name", "family", "is_dual", "task_of_model", "num_classes",
-           "outputs", "exported_outputs", "model_stride", "artifact_stride", "isolated_build", "build", "reinit"]
+           "Output", "outputs", "exported_outputs", "model_stride", "artifact_stride", "isolated_build", "build",
+           "reinit"]
 
 #: Head class name -> family.
 FAMILIES: dict[str, str] = {
@@ -46,6 +47,9 @@ FAMILIES: dict[str, str] = {
 MODEL_TASKS = {"DetectionModel": "detect", "SegmentationModel": "segment", "ClassificationModel": "classify"}
 #: The largest stride of every released YOLOv9 model: assumed (with a warning) for an artifact that does not say.
 DEFAULT_STRIDE = 32
+#: What a model returns in any runtime (a backend's call): the predictions, ``(pred, protos)`` for segmentation,
+#: or End2End's outputs by name.
+Output = Union["torch.Tensor", "tuple[torch.Tensor, ...]", "dict[str, torch.Tensor]"]
 
 
 # ---------------------------------------------------------------------------------------------- the head
