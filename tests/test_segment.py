@@ -105,7 +105,7 @@ def test_paste_masks_fills_its_box():
 def test_match_equals_upstream_process_batch():
     """Our matching (boxes and masks, every task) gives upstream val.py's correct-matrix on boxes."""
     from utils.metrics import box_iou
-    from utils.qat.evaluate import match
+    from utils.qat.detect import match
     from val import process_batch
     g = torch.Generator().manual_seed(0)
     iouv = torch.linspace(0.5, 0.95, 10)

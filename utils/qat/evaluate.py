@@ -1,9 +1,9 @@
 """One evaluation loop for every backend (PyTorch FP, fake-quant, ONNX Runtime, TensorRT) and every task.
 
 The loop (:func:`evaluate`) is dataloader -> backend -> detections -> matching -> metrics; a task changes
-its hooks only: :class:`DetectHooks` (boxes), ``utils.qat.evaluate_seg.SegmentHooks`` (boxes, then masks).
+its hooks only: ``utils.qat.detect.DetectHooks`` (boxes), ``utils.qat.evaluate_seg.SegmentHooks`` (boxes, then masks).
 Dataloader, NMS and ``ap_per_class`` are upstream YOLOv9's own (``utils.dataloaders``, ``utils.general``,
-``utils.metrics``), and :func:`match` is upstream val.py's ``process_batch`` rule (tests/test_segment.py
+``utils.metrics``), and ``detect.match`` is upstream val.py's ``process_batch`` rule (tests/test_segment.py
 checks them equal), so numbers from every backend compare with each other and with upstream ``val.py``.
 
 The result, :class:`Metrics`, holds box :class:`Scores` and, for segmentation, mask scores. In code the
@@ -19,17 +19,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
-from utils.qat.artifact import END2END_OUTPUTS
 from utils.qat.atomic import write_text
 from utils.qat.data import dataloader
+from utils.qat.detect import DetectHooks, match
+from utils.qat.evaluate_seg import SegmentHooks
 from utils.qat.progress import progress
 
 if TYPE_CHECKING:
     from utils.qat.backends import Backend
-    from utils.qat.yolov9 import Output
 
 
 @dataclass
@@ -60,66 +59,6 @@ class Metrics:
     # the primary numbers, as the callers that rank models (checkpoint names, epochs, benchmarks) read them
     mAP50 = property(lambda self: self.primary.mAP50)
     mAP50_95 = property(lambda self: self.primary.mAP50_95)
-
-
-def match(iou: torch.Tensor, label_cls: torch.Tensor, pred_cls: torch.Tensor, iouv: torch.Tensor) -> torch.Tensor:
-    """Correct-prediction matrix (n_pred, n_iou): at each IoU threshold, each label is matched to at most one
-    prediction of its class, highest IoU first (upstream's rule). ``iou`` is (n_label, n_pred)."""
-    correct = np.zeros((iou.shape[1], len(iouv)), dtype=bool)
-    same_class = label_cls[:, None] == pred_cls[None]
-    for i, t in enumerate(iouv.tolist()):
-        li, pi = torch.where((iou >= t) & same_class)
-        if li.numel():
-            m = torch.stack([li.float(), pi.float(), iou[li, pi]], 1).cpu().numpy()
-            if li.numel() > 1:
-                m = m[m[:, 2].argsort()[::-1]]
-                m = m[np.unique(m[:, 1], return_index=True)[1]]
-                m = m[np.unique(m[:, 0], return_index=True)[1]]
-            correct[m[:, 1].astype(int), i] = True
-    return torch.from_numpy(correct)
-
-
-def end2end_detections(out: dict) -> list[torch.Tensor]:
-    """End2End outputs -> per-image ``(n, 6)`` tensors ``x1, y1, x2, y2, score, class``."""
-    num_dets, boxes, scores, classes = (out[k] for k in END2END_OUTPUTS)
-    dets = []
-    for i in range(num_dets.shape[0]):
-        n = int(num_dets[i].reshape(-1)[0])
-        dets.append(torch.cat([boxes[i, :n].float(), scores[i, :n, None].float(), classes[i, :n, None].float()], 1))
-    return dets
-
-
-class DetectHooks:
-    """Detection: boxes, the part of the loop every task has. A task subclass adds instance masks to the
-    dataloader (``masks``) and scores them in :meth:`image`."""
-    masks = False
-
-    def __init__(self, nc: int, *, conf_thres: float, iou_thres: float, max_det: int, save_json: bool):
-        self.nc, self.conf_thres, self.iou_thres, self.max_det = nc, conf_thres, iou_thres, max_det
-        self.save_json = save_json
-
-    def detections(self, out: Output, shape: tuple[int, int]) -> list[torch.Tensor]:
-        """Per-image detections ``(n, 6 + ...)``: x1, y1, x2, y2 in input pixels (``shape``), score, class.
-        A segmentation model's output is scored for its boxes (its masks and mask coefficients left out)."""
-        from utils.general import non_max_suppression
-        if isinstance(out, dict):
-            return end2end_detections(out)
-        if isinstance(out, tuple):  # (pred, protos): the rows after 4 + nc are mask coefficients, not classes
-            out = out[0][:, :4 + self.nc]
-        return non_max_suppression(out, self.conf_thres, self.iou_thres, multi_label=True, max_det=self.max_det)
-
-    def image(self, i: int, det: torch.Tensor, labels: torch.Tensor, gt_masks: torch.Tensor | None,
-              iouv: torch.Tensor) -> torch.Tensor | None:
-        """The correct-mask matrix of image ``i`` of the batch (None: the task has no masks)."""
-        return None
-
-    def records(self, predn: torch.Tensor, image_id: int | str, shapes) -> list[dict]:
-        """COCO-style detection records of one image (class ids as in the dataset), boxes ``predn`` in its pixels
-        (``shapes``: the dataloader's original shape and letterbox of the image)."""
-        box = predn[:, :4].clone()
-        box[:, 2:] -= box[:, :2]
-        return [{"image_id": image_id, "category_id": int(p[5]), "bbox": [round(float(x), 3) for x in b],
-                 "score": round(float(p[4]), 5)} for p, b in zip(predn.tolist(), box.tolist())]
 
 
 def val_batches(backend: Backend, data: dict, make_loader, *, imgsz: int, batch_size: int, workers: int,
@@ -160,9 +99,7 @@ def evaluate(backend: Backend, data: dict, *, task: str = "detect", imgsz: int =
     from utils.metrics import box_iou
 
     names = backend.names or data["names"]
-    hooks_class = DetectHooks
-    if task == "segment":
-        from utils.qat.evaluate_seg import SegmentHooks as hooks_class
+    hooks_class = SegmentHooks if task == "segment" else DetectHooks
     hooks = hooks_class(len(names), conf_thres=conf_thres, iou_thres=iou_thres, max_det=max_det,
                         save_json=bool(save_json))
     iouv = torch.linspace(0.5, 0.95, 10)

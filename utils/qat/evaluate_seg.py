@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from utils.qat.artifact import MASK_OUTPUT
 from utils.qat.errors import QATError
-from utils.qat.evaluate import DetectHooks, end2end_detections, match
+from utils.qat.detect import DetectHooks, end2end_detections, match
 
 PROTO_STRIDE = 4  # every YOLOv9 segmentation head has its prototypes at 1/4 of the input
 
