@@ -27,7 +27,7 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from utils.qat.quantize.calib import amax_to_buffer, amax_to_parameter
+from utils.qat.quantize.qdq import amax_to_buffer, amax_to_parameter
 from utils.qat.quantize.rules import input_quantizers
 
 MIN_AMAX = 1e-4

@@ -1,6 +1,5 @@
-"""Calibration: statistics over images, then one amax per quantizer. The only module that reads modelopt's
-internals: the calibrators' histograms, and where a quantizer keeps its amax (``learned_amax``,
-``amax_to_parameter``, ``amax_to_buffer``: a buffer, or a parameter while ``--amax-lr`` learns it).
+"""Calibration: statistics over images, then one amax per quantizer. The only module that reads modelopt
+calibrators' internals (their histograms); where a quantizer keeps its amax is ``qdq.py``'s.
 
     groups, search = calibrate(qmodel, batches, config, num_batches=25)   # qmodel from model_quant.prepare
 
@@ -23,7 +22,6 @@ from collections.abc import Iterable
 
 import torch
 from modelopt.torch.quantization.calib import HistogramCalibrator
-from modelopt.torch.quantization.nn import TensorQuantizer
 from torch import nn
 
 from utils.qat.quantize import rules
@@ -190,21 +188,3 @@ def entropy_amax(hist: torch.Tensor, edges: torch.Tensor, num_bits: int = 8, uns
             best, best_kl = int(chunk[j]), float(kl[j])
     return edges[best].float()
 
-
-# ---- where a quantizer keeps its amax --------------------------------------------------------------
-
-def learned_amax(quantizer: TensorQuantizer) -> nn.Parameter | None:
-    """The quantizer's amax parameter while QAT learns it, else None."""
-    return quantizer._parameters.get("_amax")
-
-
-def amax_to_parameter(quantizer: TensorQuantizer, param: nn.Parameter) -> None:
-    """Make ``param`` the quantizer's amax (replacing its buffer): what the forward pass reads and differentiates."""
-    del quantizer._buffers["_amax"]
-    quantizer._parameters["_amax"] = param
-
-
-def amax_to_buffer(quantizer: TensorQuantizer) -> None:
-    """Put a plain buffer back in the amax slot, holding the parameter's current value."""
-    param = quantizer._parameters.pop("_amax")
-    quantizer._buffers["_amax"] = param.detach().clone()

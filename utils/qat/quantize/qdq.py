@@ -33,12 +33,16 @@ GELAN-S (benchmarks/results/qat-step-h100.md; on the CPU it is slower too).
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 
-from utils.qat.quantize.calib import learned_amax
 from utils.qat.quantize.qdq_fused import QDQFunction, divisor, flat_shapes
+
+if TYPE_CHECKING:
+    from modelopt.torch.quantization.nn import TensorQuantizer
+
 
 BACKEND = "yolov9_qat_qdq"
 IMPLEMENTATIONS = ("auto", "eager", "fused")  # auto: eager, the fastest measured (module docstring)
@@ -149,3 +153,22 @@ def full_fp32():
         yield
     finally:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+# ---- where a quantizer keeps its amax --------------------------------------------------------------
+
+def learned_amax(quantizer: TensorQuantizer) -> nn.Parameter | None:
+    """The quantizer's amax parameter while QAT learns it, else None."""
+    return quantizer._parameters.get("_amax")
+
+
+def amax_to_parameter(quantizer: TensorQuantizer, param: nn.Parameter) -> None:
+    """Make ``param`` the quantizer's amax (replacing its buffer): what the forward pass reads and differentiates."""
+    del quantizer._buffers["_amax"]
+    quantizer._parameters["_amax"] = param
+
+
+def amax_to_buffer(quantizer: TensorQuantizer) -> None:
+    """Put a plain buffer back in the amax slot, holding the parameter's current value."""
+    param = quantizer._parameters.pop("_amax")
+    quantizer._buffers["_amax"] = param.detach().clone()
