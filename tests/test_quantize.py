@@ -375,7 +375,7 @@ def test_lint_clean_on_every_size(yolov9_tree, shared, cfg, tmp_path):
 
 def test_mse_amax_minimises_quantization_error(yolov9_tree):
     """modelopt 0.47's own MSE search is broken (returns its first candidate); ours finds the minimum."""
-    from utils.qat.quantize.calib import mse_amax
+    from utils.qat.quantize.mse import mse_amax
     rng = np.random.default_rng(0)
     x = np.abs(np.concatenate([rng.normal(0, 1, 200_000), rng.normal(0, 8, 200)]))
     hist, edges = np.histogram(x, bins=2048, range=(0, x.max()))
@@ -396,7 +396,7 @@ def test_mse_amax_on_a_grown_histogram(yolov9_tree):
     (found calibrating the embedded segmentation model); the MSE search takes histc's own edges then."""
     from modelopt.torch.quantization.calib import HistogramCalibrator
 
-    from utils.qat.quantize.calib import mse_amax
+    from utils.qat.quantize.mse import mse_amax
     g = torch.Generator().manual_seed(0)
     for _ in range(3000):  # the 1502nd pair of batches below shows it with this seed
         c = HistogramCalibrator(num_bits=8, axis=None, unsigned=False)
@@ -418,7 +418,7 @@ def test_mse_image_weighs_every_image_alike(yolov9_tree):
     from modelopt.torch.quantization.config import QuantizerAttributeConfig
     from modelopt.torch.quantization.nn import TensorQuantizer
 
-    from utils.qat.quantize.calib import mse_amax
+    from utils.qat.quantize.mse import mse_amax
     from utils.qat.quantize.image_hist import ImageHistograms
 
     def pooled(x):

@@ -5,8 +5,8 @@ calibrators' internals (their histograms); where a quantizer keeps its amax is `
 
 - Max calibrators (weights always; inputs with ``method="max"``): amax is the max |x| seen.
 - Histogram calibrators (percentile, mse, entropy): amax from the histogram of |x| (``histogram_amax``;
-  the MSE and entropy searches are this module's own, ``mse_amax`` and ``entropy_amax``, vectorised over the
-  candidates where modelopt loops in Python).
+  the MSE and entropy searches are the toolkit's own, vectorised over the candidates where modelopt loops in
+  Python: ``mse_amax`` in ``utils/qat/quantize/mse.py``, ``entropy_amax`` here).
 - ``mse-image``: the same MSE search over histograms in which every image weighs alike
   (``utils/qat/quantize/image_hist.py``), collected by this module's hooks instead of modelopt's calibrators.
 - Then the quantizers that must share one scale (``utils/qat/quantize/rules.scale_groups``) get their
@@ -28,6 +28,7 @@ from utils.qat.quantize import rules
 from utils.qat.quantize.config import QuantConfig
 from utils.qat.quantize.head import SEARCH_BATCHES, search_head_amax
 from utils.qat.quantize.image_hist import ImageHistograms
+from utils.qat.quantize.mse import mse_amax
 from utils.qat.quantize.state import amax_state, amax_vector, collecting, enabled_quantizers, load_amax, quantizers_off
 from utils.qat import distributed
 from utils.qat.errors import QATError
@@ -113,30 +114,6 @@ def histogram_amax(calibrator: HistogramCalibrator, method: str, percentile: flo
         return search(calibrator._calib_hist, calibrator._calib_bin_edges, calibrator._num_bits, calibrator._unsigned)
     kwargs = {"percentile": percentile} if method == "percentile" else {}
     return torch.as_tensor(calibrator.compute_amax(method, **kwargs), dtype=torch.float32)
-
-
-def mse_amax(hist: torch.Tensor, edges: torch.Tensor, num_bits: int = 8, unsigned: bool = False,
-             start_bin: int = 128) -> torch.Tensor:
-    """The clipping value (a bin centre from ``start_bin`` on) minimising the histogram-weighted
-    squared error of symmetric fake quantization of |x|."""
-    counts = torch.as_tensor(hist).detach().cpu().double().flatten()
-    edges = torch.as_tensor(edges).detach().cpu().double().flatten()
-    if len(edges) != len(counts) + 1:
-        # modelopt grows its histogram with torch.arange(0, max + width, width), which can yield one edge more
-        # than histc's bins; histc itself split [0, edges[-1]] into len(counts) equal bins
-        edges = torch.linspace(0.0, float(edges[-1]), len(counts) + 1, dtype=torch.float64)
-    centers = (edges[1:] + edges[:-1]) / 2
-    candidates = centers[min(start_bin, len(centers) - 1):]
-    levels = 2 ** num_bits - 1 if unsigned else 2 ** (num_bits - 1) - 1
-    best, best_err = candidates[-1], float("inf")
-    for chunk in candidates.split(256):  # bounded memory: 256 x bins at a time
-        scale = chunk[:, None] / levels
-        quant = torch.clamp(torch.round(centers[None] / scale), max=levels) * scale
-        err = ((quant - centers[None]) ** 2 * counts[None]).sum(1)
-        i = int(err.argmin())
-        if float(err[i]) < best_err:
-            best, best_err = chunk[i], float(err[i])
-    return best.float()
 
 
 def entropy_amax(hist: torch.Tensor, edges: torch.Tensor, num_bits: int = 8, unsigned: bool = False,

@@ -19,6 +19,8 @@ from collections.abc import Iterable
 import torch
 from modelopt.torch.quantization.nn import TensorQuantizer
 
+from utils.qat.quantize.mse import mse_amax
+
 LOW, HIGH, PER_DECADE = -6, 6, 512
 BINS = (HIGH - LOW) * PER_DECADE
 
@@ -55,7 +57,6 @@ class ImageHistograms:
         return hook
 
     def amax(self, quantizer: TensorQuantizer) -> torch.Tensor:
-        from utils.qat.quantize.calib import mse_amax
         hist = self.hists.get(id(quantizer))
         if hist is None:
             raise RuntimeError("a quantizer saw no data during calibration")
