@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING  # noqa: E402
 
 
 from utils.qat import checkpoint, distributed, provenance, reports, validate  # noqa: E402
-from utils.qat.data import DEFAULT_HYPS, NO_HYP, check_imgsz, data_argument, hyp_argument, load_data_yaml, load_hyp  # noqa: E402
+from utils.qat.data import DEFAULT_HYPS, NO_HYP, data_argument, hyp_argument, load_data_yaml, load_hyp  # noqa: E402
 from utils.qat.device import select_device  # noqa: E402
 from utils.qat.errors import QATError, run_cli  # noqa: E402
 from utils.qat.safe_load import add_trust_flag  # noqa: E402
@@ -191,13 +191,14 @@ def _quantize(args, device, launch) -> Path | None:
     """PTQ, then QAT (``utils.qat.pipeline.qat``). Rank 0 (or the single process) evaluates, writes every
     file and prints (the recorder); the other ranks train on their shards and wait while rank 0 works."""
     from utils.qat.pipeline import qat
+    from utils.qat.quantize.rules import fp_patterns
     from utils.qat.run_record import RunRecorder
     with distributed.same_on_every_rank():  # the checks every rank makes alike: one error, printed once
         fp = checkpoint.load_fp(args.weights, task=args.task, trust=args.trust_weights)
-        validate.skip_layers(fp, args.skip_layers)  # before any evaluation
+        fp_patterns(fp, [s for s in args.skip_layers.split(",") if s.strip()])  # --skip-layers: before any evaluation
         data = _data(args, ("train", "val"))
         args.hyp, hyp = hyp_argument(args.hyp, args.task)
-        args.imgsz = check_imgsz(args.imgsz, int(fp.stride.max()))
+        args.imgsz = validate.check_imgsz(args.imgsz, int(fp.stride.max()))
     recorder = None
     if distributed.is_main():
         recorder = RunRecorder(reports.run_dir(args.project, args.name, args.exist_ok), args.weights,
@@ -230,7 +231,7 @@ def cmd_sensitive(args) -> Path:
     if load_hyp(args.hyp) is not None:
         print("notice: --hyp sets the augmentation of QAT fine-tuning; sensitive only calibrates (on images without "
               "augmentation, as quantize does), so it is not used here.")
-    args.imgsz = check_imgsz(args.imgsz, int(fp.stride.max()))
+    args.imgsz = validate.check_imgsz(args.imgsz, int(fp.stride.max()))
     out = reports.run_dir(args.project, args.name, args.exist_ok)
     base, layers = sensitivity(fp, data, quant_config(args), _score(args, data, device),
                                calib_batches=args.calib_batches, num_images=args.num_image)
@@ -268,7 +269,7 @@ def cmd_eval(args) -> Path:
         raise QATError(f"{args.weights} is a floating-point checkpoint; pass --allow-fp to evaluate it, "
                        f"or give a quantized checkpoint from `{SCRIPTS[args.task]} quantize`.")
     data = _data(args, ("val",))
-    args.imgsz = check_imgsz(args.imgsz, int(model.stride.max()))
+    args.imgsz = validate.check_imgsz(args.imgsz, int(model.stride.max()))
     out = reports.run_dir(args.project, args.name, args.exist_ok)
     m, seconds = _score(args, data, device)(model, f"eval {kind}", num_images=args.num_image,
                                             save_json=out / "predictions.json" if args.save_json else None)

@@ -78,7 +78,8 @@ def open_source(args: argparse.Namespace):
 def main(args: argparse.Namespace) -> dict:
     from utils.qat import reports
     from utils.qat.atomic import write_text
-    from utils.qat.data import check_imgsz, check_polygons, data_argument, load_data_yaml
+    from utils.qat.data import check_polygons, data_argument, load_data_yaml
+    from utils.qat.validate import check_imgsz
     from utils.qat.evaluate import evaluate
     from utils.qat.validate import check_args
     check_args(args)

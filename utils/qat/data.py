@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,7 +11,8 @@ import yaml
 from utils.qat.errors import QATError
 
 IMAGE_SUFFIXES = {".bmp", ".dng", ".jpeg", ".jpg", ".mpo", ".png", ".tif", ".tiff", ".webp", ".pfm"}
-TREE = Path(__file__).resolve().parents[2]  # the YOLOv9 tree this file was patched into
+# the YOLOv9 tree this file was patched into: as many folders up as the module name has dots (utils.qat....)
+TREE = Path(__file__).resolve().parents[__name__.count(".")]
 DEFAULT_DATA = "data/coco.yaml"  # --data when left out: the tree's COCO yaml, as upstream val.py and the reference
 HYPS = "data/hyps"
 NO_HYP = "none"  # --hyp none: fine-tune on the images as they are
@@ -134,14 +134,6 @@ def check_classes(data: dict, split: str) -> None:
             if cls is None or not cls.is_integer() or not 0 <= cls < nc:
                 raise QATError(f"{label}:{number} has class {token}, but {data['yaml_file']} has nc: {nc} (classes "
                                f"0-{nc - 1}); fix that label, or nc and names in the yaml.")
-
-
-def check_imgsz(imgsz: int, stride: int) -> int:
-    """Round ``imgsz`` up to a multiple of the model stride, with a notice, as upstream does."""
-    fixed = int(math.ceil(imgsz / stride) * stride)
-    if fixed != imgsz:
-        print(f"notice: --imgsz {imgsz} is not a multiple of the model stride {stride}; using {fixed}.")
-    return fixed
 
 
 def dataloader(data: dict, split: str, imgsz: int, batch_size: int, stride: int, *, workers: int = 8,

@@ -73,7 +73,7 @@ def load_for_export(weights: str | os.PathLike, ckpt: dict | None = None, trust:
 def parse_imgsz(values: Sequence[int], stride: int, flag: str = "--imgsz") -> tuple[int, int]:
     """``N`` or ``H W`` from the command line (``utils.qat.validate.image_size``; the values' range is
     ``FLAGS``'), each rounded up to a multiple of the stride (with a notice)."""
-    from utils.qat.data import check_imgsz
+    from utils.qat.validate import check_imgsz
     from utils.qat.validate import image_size
     h, w = image_size(values, flag)
     return check_imgsz(h, stride), check_imgsz(w, stride)

@@ -124,8 +124,9 @@ def image_size(values, flag: str = "--imgsz") -> tuple[int, int]:
     return (values[0], values[0]) if len(values) == 1 else (values[0], values[1])
 
 
-def skip_layers(model, value: str) -> None:
-    """``--skip-layers`` (comma-separated layer indices and module-name patterns) against the model it
-    will be applied to, checked as soon as the model is loaded: before any evaluation or calibration."""
-    from utils.qat.quantize.rules import fp_patterns
-    fp_patterns(model, [s for s in value.split(",") if s.strip()])
+def check_imgsz(imgsz: int, stride: int) -> int:
+    """Round ``imgsz`` up to a multiple of the model stride, with a notice, as upstream does."""
+    fixed = int(math.ceil(imgsz / stride) * stride)
+    if fixed != imgsz:
+        print(f"notice: --imgsz {imgsz} is not a multiple of the model stride {stride}; using {fixed}.")
+    return fixed
