@@ -48,7 +48,8 @@ import torch  # noqa: E402
 
 from utils.qat import yolov9  # noqa: E402
 from utils.qat.atomic import atomic_path, write_text  # noqa: E402
-from utils.qat.data import DEFAULT_HYPS, NO_HYP, TREE, check_imgsz, dataloader, load_data_yaml, load_hyp  # noqa: E402
+from utils.qat.data import DEFAULT_HYPS, NO_HYP, TREE, dataloader, load_data_yaml, load_hyp  # noqa: E402
+from utils.qat.validate import check_imgsz  # noqa: E402
 from utils.qat.device import select_device  # noqa: E402
 from utils.qat.errors import QATError, run_cli  # noqa: E402
 from utils.qat.progress import progress  # noqa: E402
