@@ -22,16 +22,16 @@
 """
 from __future__ import annotations
 
-from utils.qat import compat
+from utils.qat.core import compat
 
 compat.apply()
 
 import argparse  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from utils.qat.errors import QATError, run_cli  # noqa: E402
-from utils.qat.safe_load import add_trust_flag  # noqa: E402
-from utils.qat.provenance import sha256  # noqa: E402
+from utils.qat.core.errors import QATError, run_cli  # noqa: E402
+from utils.qat.model.safe_load import add_trust_flag  # noqa: E402
+from utils.qat.core.provenance import sha256  # noqa: E402
 
 INCLUDE = {"onnx": ".onnx", "onnx_end2end": "-end2end.onnx"}
 NMS_BACKENDS = ("onnx", "trt")
@@ -78,15 +78,16 @@ def output_path(weights: Path, include: str) -> Path:
 
 
 def main(args: argparse.Namespace) -> list[dict]:
-    from utils.qat import checkpoint, yolov9
-    from utils.qat.device import select_device
-    from utils.qat.onnx_export import export_onnx, format_report, load_for_export, parse_imgsz
-    from utils.qat.validate import check_args, image_size
+    from utils.qat.core import yolov9
+    from utils.qat.model import checkpoint
+    from utils.qat.core.device import select_device
+    from utils.qat.onnx.onnx_export import export_onnx, format_report, load_for_export, parse_imgsz
+    from utils.qat.core.validate import check_args, image_size
     check_args(args)
     image_size(args.imgsz, "--imgsz")  # before the (slow) model load
     weights = Path(args.weights)
     if "onnx_end2end" in args.include:  # cheap argument checks before the (slow) model load
-        from utils.qat.end2end import NMSOptions
+        from utils.qat.onnx.end2end import NMSOptions
         NMSOptions(backend=args.nms, topk_all=args.topk_all, iou_thres=args.iou_thres, conf_thres=args.conf_thres,
                    mask_resolution=args.mask_resolution, pooler_scale=args.pooler_scale,
                    sampling_ratio=args.sampling_ratio).check()
@@ -101,7 +102,7 @@ def main(args: argparse.Namespace) -> list[dict]:
     model, task, quantized, fp_patterns = load_for_export(weights, ckpt)
     del ckpt
     if "onnx_end2end" in args.include and args.nms == "trt":
-        from utils.qat.trt_engine import THIRD_PARTY_PLUGINS
+        from utils.qat.trt.trt_engine import THIRD_PARTY_PLUGINS
         plugin = "EfficientNMSX_TRT" if task == "segment" else "EfficientNMS_TRT"
         where = (f"it is not part of TensorRT (it comes from {THIRD_PARTY_PLUGINS[plugin]}): pass that library to "
                  f"the engine build and runner with --plugins" if plugin in THIRD_PARTY_PLUGINS

@@ -13,16 +13,16 @@ branch only. --dynamic makes the batch dynamic (DeepStream fixes the image size 
 """
 from __future__ import annotations
 
-from utils.qat import compat
+from utils.qat.core import compat
 
 compat.apply()
 
 import argparse  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from utils.qat.errors import QATError, run_cli  # noqa: E402
-from utils.qat.safe_load import add_trust_flag  # noqa: E402
-from utils.qat.provenance import sha256  # noqa: E402
+from utils.qat.core.errors import QATError, run_cli  # noqa: E402
+from utils.qat.model.safe_load import add_trust_flag  # noqa: E402
+from utils.qat.core.provenance import sha256  # noqa: E402
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -43,11 +43,11 @@ def output_path(weights: Path) -> Path:
 
 
 def main(args: argparse.Namespace) -> dict:
-    from utils.qat import checkpoint
-    from utils.qat.atomic import write_text
-    from utils.qat import yolov9
-    from utils.qat.onnx_export import DeepStreamOutput, export_onnx, format_report, load_for_export, parse_imgsz, readable
-    from utils.qat.validate import check_args
+    from utils.qat.model import checkpoint
+    from utils.qat.core.atomic import write_text
+    from utils.qat.core import yolov9
+    from utils.qat.onnx.onnx_export import DeepStreamOutput, export_onnx, format_report, load_for_export, parse_imgsz, readable
+    from utils.qat.core.validate import check_args
     check_args(args)
     if args.dynamic and args.batch > 1:
         raise QATError(f"--batch {args.batch} and --dynamic contradict each other: use --dynamic for a dynamic batch "

@@ -7,7 +7,7 @@
 # path/, "-", version), so that a re-run touches only the toolkit's own files and --uninstall
 # removes exactly those. Upstream files are never overwritten or deleted. Installed from a git
 # clone, the version names its commit: 0.1.0+g<commit> (.dirty: overlay files had uncommitted
-# changes), which utils/qat/provenance.py reads to record in every report and checkpoint.
+# changes), which utils/qat/core/provenance.py reads to record in every report and checkpoint.
 set -euo pipefail
 
 readonly MANIFEST_NAME=.yolov9-qat-manifest

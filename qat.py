@@ -6,7 +6,7 @@
 """
 from __future__ import annotations
 
-from utils.qat import compat
+from utils.qat.core import compat
 
 compat.apply()
 
@@ -16,16 +16,18 @@ from pathlib import Path  # noqa: E402
 from typing import TYPE_CHECKING  # noqa: E402
 
 
-from utils.qat import checkpoint, distributed, provenance, reports, validate  # noqa: E402
-from utils.qat.data import DEFAULT_HYPS, NO_HYP, data_argument, hyp_argument, load_data_yaml, load_hyp  # noqa: E402
-from utils.qat.device import select_device  # noqa: E402
-from utils.qat.errors import QATError, run_cli  # noqa: E402
-from utils.qat.safe_load import add_trust_flag  # noqa: E402
+from utils.qat.core import distributed, provenance, validate  # noqa: E402
+from utils.qat.model import checkpoint  # noqa: E402
+from utils.qat.run import reports  # noqa: E402
+from utils.qat.evaluation.data import DEFAULT_HYPS, NO_HYP, data_argument, hyp_argument, load_data_yaml, load_hyp  # noqa: E402
+from utils.qat.core.device import select_device  # noqa: E402
+from utils.qat.core.errors import QATError, run_cli  # noqa: E402
+from utils.qat.model.safe_load import add_trust_flag  # noqa: E402
 
 if TYPE_CHECKING:
     from utils.qat.quantize.config import QuantConfig
     from utils.qat.quantize.finetune import QATConfig
-    from utils.qat.pipeline import Evaluation
+    from utils.qat.run.pipeline import Evaluation
 
 
 def _common(p: argparse.ArgumentParser, project: str) -> None:
@@ -159,7 +161,7 @@ def quant_config(args) -> QuantConfig:
 
 
 def _score(args, data: dict, device) -> Evaluation:
-    from utils.qat.pipeline import Evaluation
+    from utils.qat.run.pipeline import Evaluation
     return Evaluation(data, imgsz=args.imgsz, batch_size=args.batch_size, device=device, task=args.task,
                       conf_thres=args.conf_thres, iou_thres=args.iou_thres, workers=args.workers)
 
@@ -169,7 +171,7 @@ def _data(args, splits: tuple[str, ...]) -> dict:
     args.data = data_argument(args.data)
     data = load_data_yaml(args.data, splits=splits)
     if args.task == "segment":
-        from utils.qat.data import check_polygons
+        from utils.qat.evaluation.data import check_polygons
         check_polygons(data, ("val",))
     return data
 
@@ -188,11 +190,11 @@ def cmd_quantize(args) -> Path | None:
 
 
 def _quantize(args, device, launch) -> Path | None:
-    """PTQ, then QAT (``utils.qat.pipeline.qat``). Rank 0 (or the single process) evaluates, writes every
+    """PTQ, then QAT (``utils.qat.run.pipeline.qat``). Rank 0 (or the single process) evaluates, writes every
     file and prints (the recorder); the other ranks train on their shards and wait while rank 0 works."""
-    from utils.qat.pipeline import qat
+    from utils.qat.run.pipeline import qat
     from utils.qat.quantize.rules import fp_patterns
-    from utils.qat.run_record import RunRecorder
+    from utils.qat.run.run_record import RunRecorder
     with distributed.same_on_every_rank():  # the checks every rank makes alike: one error, printed once
         fp = checkpoint.load_fp(args.weights, task=args.task, trust=args.trust_weights)
         fp_patterns(fp, [s for s in args.skip_layers.split(",") if s.strip()])  # --skip-layers: before any evaluation
@@ -223,8 +225,8 @@ def _one_process_device(spec: str, command: str, task: str = "detect"):
 
 
 def cmd_sensitive(args) -> Path:
-    from utils.qat.atomic import write_text
-    from utils.qat.pipeline import sensitivity
+    from utils.qat.core.atomic import write_text
+    from utils.qat.run.pipeline import sensitivity
     device = _one_process_device(args.device, "sensitive", args.task)
     fp = checkpoint.load_fp(args.weights, task=args.task, trust=args.trust_weights)
     data = _data(args, ("train", "val"))
@@ -255,8 +257,8 @@ def cmd_sensitive(args) -> Path:
 
 
 def cmd_eval(args) -> Path:
-    from utils.qat.atomic import write_text
-    from utils.qat.run_record import print_table
+    from utils.qat.core.atomic import write_text
+    from utils.qat.run.run_record import print_table
     device = _one_process_device(args.device, "eval", args.task)
     ckpt = checkpoint.read(args.weights, trust=args.trust_weights)
     source = provenance.record(args.weights)

@@ -6,19 +6,19 @@
 
 The output is an upstream checkpoint ({'model': DetectionModel in FP16, ...}, names and nc set),
 loadable by val.py, detect.py and qat.py. The layer correspondence is derived from the two model
-graphs (utils/qat/reparam.py); the converted model is checked against the checkpoint's main branch
+graphs (utils/qat/model/reparam.py); the converted model is checked against the checkpoint's main branch
 before anything is written. --classes_num is accepted for the reference's command line and ignored: the
 converted model keeps the checkpoint's classes (a different number is reported).
 """
-from utils.qat import compat
+from utils.qat.core import compat
 
 compat.apply()
 
 import argparse  # noqa: E402
 
-from utils.qat.errors import run_cli  # noqa: E402
-from utils.qat.reparam import SIZES  # noqa: E402
-from utils.qat.safe_load import add_trust_flag  # noqa: E402
+from utils.qat.core.errors import run_cli  # noqa: E402
+from utils.qat.model.reparam import SIZES  # noqa: E402
+from utils.qat.model.safe_load import add_trust_flag  # noqa: E402
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -39,8 +39,8 @@ def get_args_parser() -> argparse.ArgumentParser:
 
 
 def main(args: argparse.Namespace) -> None:
-    from utils.qat.reparam import reparameterize
-    from utils.qat.validate import check_args
+    from utils.qat.model.reparam import reparameterize
+    from utils.qat.core.validate import check_args
     check_args(args)
     reparameterize(weights=args.weights, model=args.model, save=args.save, cfg=args.cfg,
                    classes_num=args.classes_num, device=args.device, trust=args.trust_weights)

@@ -13,7 +13,7 @@ boxes only. Writes results.json (and predictions.json with --save-json) to --pro
 """
 from __future__ import annotations
 
-from utils.qat import compat
+from utils.qat.core import compat
 
 compat.apply()
 
@@ -22,7 +22,7 @@ import json  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from utils.qat.errors import QATError, run_cli  # noqa: E402
+from utils.qat.core.errors import QATError, run_cli  # noqa: E402
 
 BACKENDS = ("tensorrt", "onnxruntime")
 
@@ -61,8 +61,8 @@ def get_args_parser() -> argparse.ArgumentParser:
 
 
 def open_source(args: argparse.Namespace):
-    """The backend for --engine-file / --onnx (``utils.qat.backends.open_backend``) and the file."""
-    from utils.qat.backends import open_backend
+    """The backend for --engine-file / --onnx (``utils.qat.evaluation.backends.open_backend``) and the file."""
+    from utils.qat.evaluation.backends import open_backend
     source = Path(args.engine_file or args.onnx)
     backend = args.backend or ("tensorrt" if args.engine_file else "onnxruntime")
     if backend == "tensorrt" and args.onnx:
@@ -76,12 +76,12 @@ def open_source(args: argparse.Namespace):
 
 
 def main(args: argparse.Namespace) -> dict:
-    from utils.qat import reports
-    from utils.qat.atomic import write_text
-    from utils.qat.data import check_polygons, data_argument, load_data_yaml
-    from utils.qat.validate import check_imgsz
-    from utils.qat.evaluate import evaluate
-    from utils.qat.validate import check_args
+    from utils.qat.run import reports
+    from utils.qat.core.atomic import write_text
+    from utils.qat.evaluation.data import check_polygons, data_argument, load_data_yaml
+    from utils.qat.core.validate import check_imgsz
+    from utils.qat.evaluation.evaluate import evaluate
+    from utils.qat.core.validate import check_args
     check_args(args)
     if args.report and not Path(args.report).is_file():
         raise QATError(f"--report {args.report} not found; pass the report.json that qat.py quantize wrote.")

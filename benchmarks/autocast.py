@@ -1,7 +1,7 @@
 """FP16 for TensorRT 11 with NVIDIA ModelOpt AutoCast: the FP16+INT8 graph against the FP32+INT8 graph.
 
 For a quantized checkpoint it exports the Q/DQ ONNX twice, as ``export_qat.py --dynamic --simplify`` does,
-without and with ``--half`` (ModelOpt AutoCast, ``utils.qat.onnx_export.to_fp16``), and reports for each:
+without and with ``--half`` (ModelOpt AutoCast, ``utils.qat.onnx.onnx_export.to_fp16``), and reports for each:
 the ONNX Runtime mAP on the dataset's val split (the same evaluator as ``val_trt.py``), the Q/DQ lint,
 which nodes feed every Conv (``onnx_qdq.conv_feeds``), the Q/DQ scale types, the opset, how many nodes
 compute in FP16 and the Casts left. Writes OUT/autocast.json and OUT/autocast.md.
@@ -19,7 +19,7 @@ FP16 arithmetic inside the kernels (TensorRT's FP16 kernels accumulate in FP32 t
 (``op_types_to_exclude``: FP32 scales, Casts between DQ and Conv), and the FP32+INT8 graph with only its Q/DQ
 scales changed, rounded to FP16 values or multiplied by 1 + u (u uniform in +-2^-11, FP16's relative
 precision) for each ``--seeds`` value. The old converter (``to_half``) is in git history
-(utils/qat/onnx_export.py before this benchmark was added).
+(utils/qat/onnx/onnx_export.py before this benchmark was added).
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, os.getcwd())
-from utils.qat import compat  # noqa: E402
+from utils.qat.core import compat  # noqa: E402
 
 compat.apply()
 
@@ -41,14 +41,17 @@ import onnx  # noqa: E402
 import onnxruntime  # noqa: E402
 import torch  # noqa: E402
 
-from utils.qat import __version__, checkpoint, onnx_qdq, reports  # noqa: E402
-from utils.qat.atomic import write_text  # noqa: E402
-from utils.qat.backends import ORTBackend  # noqa: E402
-from utils.qat.data import load_data_yaml  # noqa: E402
-from utils.qat.evaluate import evaluate  # noqa: E402
-from utils.qat.onnx_export import export_onnx, load_for_export  # noqa: E402
-from utils.qat.errors import run_cli  # noqa: E402
-from utils.qat.safe_load import add_trust_flag  # noqa: E402
+from utils.qat import __version__  # noqa: E402
+from utils.qat.model import checkpoint  # noqa: E402
+from utils.qat.onnx import onnx_qdq  # noqa: E402
+from utils.qat.run import reports  # noqa: E402
+from utils.qat.core.atomic import write_text  # noqa: E402
+from utils.qat.evaluation.backends import ORTBackend  # noqa: E402
+from utils.qat.evaluation.data import load_data_yaml  # noqa: E402
+from utils.qat.evaluation.evaluate import evaluate  # noqa: E402
+from utils.qat.onnx.onnx_export import export_onnx, load_for_export  # noqa: E402
+from utils.qat.core.errors import run_cli  # noqa: E402
+from utils.qat.model.safe_load import add_trust_flag  # noqa: E402
 
 VARIANTS = (("FP32+INT8", False), ("FP16+INT8 (AutoCast)", True))
 
@@ -105,7 +108,7 @@ def diagnose(fp32: Path, out: Path, data: dict, args: argparse.Namespace) -> dic
 
 def graph_facts(path: Path, allow_fp: list[str]) -> dict:
     """Lint, Conv feeds, scale types, opset, FP16 share and Casts of one exported graph."""
-    from utils.qat.onnx_export import _module_to_onnx_pattern
+    from utils.qat.onnx.onnx_export import _module_to_onnx_pattern
     m = onnx.load(str(path))
     inits = {t.name: t for t in m.graph.initializer}
     scale_types: Counter[str] = Counter()

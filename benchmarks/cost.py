@@ -3,7 +3,7 @@ upstream train.py's FP step and of our QAT step (``ratio`` = QAT / FP), calibrat
 of the head amax search, evaluation images per second (FP against fake-quant), and optionally the data
 loader alone. Every phase runs on the same batches, read once and kept in memory, so the steps time the
 model's work, not the loader's (``--loader-batches`` times that separately). Random weights
-(``utils.qat.yolov9.reinit``): time and memory do not depend on them.
+(``utils.qat.core.yolov9.reinit``): time and memory do not depend on them.
 
 Run from the top of a patched YOLOv9 tree (writes cost-<device>.json, .md and .png into --out):
 
@@ -40,21 +40,21 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.getcwd())
-from utils.qat import compat  # noqa: E402
+from utils.qat.core import compat  # noqa: E402
 
 compat.apply()
 
 import torch  # noqa: E402
 
-from utils.qat import yolov9  # noqa: E402
-from utils.qat.atomic import atomic_path, write_text  # noqa: E402
-from utils.qat.data import DEFAULT_HYPS, NO_HYP, TREE, dataloader, load_data_yaml, load_hyp  # noqa: E402
-from utils.qat.validate import check_imgsz  # noqa: E402
-from utils.qat.device import select_device  # noqa: E402
-from utils.qat.errors import QATError, run_cli  # noqa: E402
-from utils.qat.progress import progress  # noqa: E402
+from utils.qat.core import yolov9  # noqa: E402
+from utils.qat.core.atomic import atomic_path, write_text  # noqa: E402
+from utils.qat.evaluation.data import DEFAULT_HYPS, NO_HYP, TREE, dataloader, load_data_yaml, load_hyp  # noqa: E402
+from utils.qat.core.validate import check_imgsz  # noqa: E402
+from utils.qat.core.device import select_device  # noqa: E402
+from utils.qat.core.errors import QATError, run_cli  # noqa: E402
+from utils.qat.core.progress import progress  # noqa: E402
 from utils.qat.quantize.config import CALIB_METHODS, DEFAULT_CALIB_METHOD, QuantConfig  # noqa: E402
-from utils.qat.validate import Range, check_args, check_value  # noqa: E402
+from utils.qat.core.validate import Range, check_args, check_value  # noqa: E402
 
 SIZES = ("gelan-t", "gelan-s", "gelan-m", "gelan-c", "gelan-e")
 HEAD_SEARCH = "head-search"
@@ -342,7 +342,7 @@ def qat_training(qmodel: torch.nn.Module, info, fp: torch.nn.Module, batches: li
 def images_per_second(model: torch.nn.Module, batches: list[tuple], device: torch.device, warmup: int,
                       desc: str) -> float:
     """Inference forwards (the evaluator's TorchBackend) over the batches: images per second after ``warmup``."""
-    from utils.qat.backends import TorchBackend
+    from utils.qat.evaluation.backends import TorchBackend
     backend = TorchBackend(model, device)
     timer = StepTimer(device, warmup)
     for i, (im, _) in enumerate(progress(batches, desc=desc)):

@@ -24,9 +24,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.getcwd())
-from utils.qat.atomic import write_text  # noqa: E402
-from utils.qat.errors import QATError, run_cli  # noqa: E402
-from utils.qat.safe_load import add_trust_flag  # noqa: E402
+from utils.qat.core.atomic import write_text  # noqa: E402
+from utils.qat.core.errors import QATError, run_cli  # noqa: E402
+from utils.qat.model.safe_load import add_trust_flag  # noqa: E402
 
 
 def get_args_parser() -> argparse.ArgumentParser:

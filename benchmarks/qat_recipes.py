@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.getcwd())
-from utils.qat import compat  # noqa: E402
+from utils.qat.core import compat  # noqa: E402
 
 compat.apply()
 
@@ -40,15 +40,15 @@ from utils.qat.quantize.objectives import head_distillation, head_of  # noqa: E4
 from utils.qat.quantize.model_quant import fuse  # noqa: E402
 from utils.qat.quantize.config import CALIB_METHODS, DEFAULT_CALIB_METHODS, DEFAULT_HEAD_AMAX, HEAD_AMAX, QuantConfig  # noqa: E402
 from utils.qat.quantize.finetune import QATConfig  # noqa: E402
-from utils.qat import checkpoint  # noqa: E402
-from utils.qat.atomic import write_text  # noqa: E402
-from utils.qat.backends import TorchBackend  # noqa: E402
-from utils.qat.data import dataloader, hyp_argument, images_only, load_data_yaml  # noqa: E402
-from utils.qat.device import select_device  # noqa: E402
-from utils.qat.errors import QATError, run_cli  # noqa: E402
-from utils.qat.evaluate import evaluate  # noqa: E402
-from utils.qat.pipeline import finetune_stage, ptq  # noqa: E402
-from utils.qat.safe_load import add_trust_flag  # noqa: E402
+from utils.qat.model import checkpoint  # noqa: E402
+from utils.qat.core.atomic import write_text  # noqa: E402
+from utils.qat.evaluation.backends import TorchBackend  # noqa: E402
+from utils.qat.evaluation.data import dataloader, hyp_argument, images_only, load_data_yaml  # noqa: E402
+from utils.qat.core.device import select_device  # noqa: E402
+from utils.qat.core.errors import QATError, run_cli  # noqa: E402
+from utils.qat.evaluation.evaluate import evaluate  # noqa: E402
+from utils.qat.run.pipeline import finetune_stage, ptq  # noqa: E402
+from utils.qat.model.safe_load import add_trust_flag  # noqa: E402
 
 
 def parse_recipe(text: str, epochs: int, iters: int) -> QATConfig:

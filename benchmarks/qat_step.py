@@ -29,14 +29,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.getcwd())
-from utils.qat import compat  # noqa: E402
+from utils.qat.core import compat  # noqa: E402
 
 compat.apply()
 
 import torch  # noqa: E402
 
-from utils.qat import yolov9  # noqa: E402
-from utils.qat.atomic import write_text  # noqa: E402
+from utils.qat.core import yolov9  # noqa: E402
+from utils.qat.core.atomic import write_text  # noqa: E402
 from utils.qat.quantize import qdq  # noqa: E402
 from utils.qat.quantize.finetune import QATConfig, QATStep  # noqa: E402
 from utils.qat.quantize.model_quant import QuantConfig, fuse, quantize  # noqa: E402

@@ -22,19 +22,19 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, os.getcwd())
-from utils.qat import compat  # noqa: E402
+from utils.qat.core import compat  # noqa: E402
 
 compat.apply()
 
 import torch  # noqa: E402
 
-from utils.qat import checkpoint  # noqa: E402
-from utils.qat.atomic import write_text  # noqa: E402
-from utils.qat.data import load_data_yaml  # noqa: E402
-from utils.qat.device import select_device  # noqa: E402
-from utils.qat.pipeline import Evaluation, ptq  # noqa: E402
-from utils.qat.errors import run_cli  # noqa: E402
-from utils.qat.safe_load import add_trust_flag  # noqa: E402
+from utils.qat.model import checkpoint  # noqa: E402
+from utils.qat.core.atomic import write_text  # noqa: E402
+from utils.qat.evaluation.data import load_data_yaml  # noqa: E402
+from utils.qat.core.device import select_device  # noqa: E402
+from utils.qat.run.pipeline import Evaluation, ptq  # noqa: E402
+from utils.qat.core.errors import run_cli  # noqa: E402
+from utils.qat.model.safe_load import add_trust_flag  # noqa: E402
 from utils.qat.quantize.config import DEFAULT_CALIB_METHOD, HEAD_AMAX, QuantConfig  # noqa: E402
 
 

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, os.getcwd())
-from utils.qat import compat  # noqa: E402
+from utils.qat.core import compat  # noqa: E402
 
 compat.apply()
 
@@ -31,15 +31,17 @@ import torch  # noqa: E402
 
 import qat  # noqa: E402
 from utils.qat.quantize.config import CALIB_METHODS, DEFAULT_CALIB_METHOD, DEFAULT_HEAD_AMAX, HEAD_AMAX, QuantConfig  # noqa: E402
-from utils.qat import __version__, checkpoint, reports  # noqa: E402
-from utils.qat.atomic import write_text  # noqa: E402
-from utils.qat.backends import ORTBackend, TorchBackend  # noqa: E402
-from utils.qat.data import load_data_yaml  # noqa: E402
-from utils.qat.device import select_device  # noqa: E402
-from utils.qat.evaluate import evaluate  # noqa: E402
-from utils.qat.pipeline import Evaluation, ptq, sensitivity  # noqa: E402
-from utils.qat.errors import run_cli  # noqa: E402
-from utils.qat.safe_load import add_trust_flag  # noqa: E402
+from utils.qat import __version__  # noqa: E402
+from utils.qat.model import checkpoint  # noqa: E402
+from utils.qat.run import reports  # noqa: E402
+from utils.qat.core.atomic import write_text  # noqa: E402
+from utils.qat.evaluation.backends import ORTBackend, TorchBackend  # noqa: E402
+from utils.qat.evaluation.data import load_data_yaml  # noqa: E402
+from utils.qat.core.device import select_device  # noqa: E402
+from utils.qat.evaluation.evaluate import evaluate  # noqa: E402
+from utils.qat.run.pipeline import Evaluation, ptq, sensitivity  # noqa: E402
+from utils.qat.core.errors import run_cli  # noqa: E402
+from utils.qat.model.safe_load import add_trust_flag  # noqa: E402
 
 STAGES = ("fp", "ptq", "qat", "sensitive", "qat_skip", "onnx")
 
@@ -109,7 +111,7 @@ def plot(results: dict, path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from utils.qat.atomic import atomic_path
+    from utils.qat.core.atomic import atomic_path
     rows = results["rows"]
     origin = rows.get("Origin")
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6), dpi=120)
@@ -243,8 +245,8 @@ def main(args) -> None:
             qat_run(f"skip{top[0]['layer']}", "--skip-layers", str(top[0]["layer"]))
 
     if "onnx" in stages:
-        from utils.qat.onnx_export import export_onnx
-        from utils.qat.onnx_qdq import lint
+        from utils.qat.onnx.onnx_export import export_onnx
+        from utils.qat.onnx.onnx_qdq import lint
         best = Path(args.out) / "runs" / args.name / "weights" / f"qat_best_{Path(args.weights).stem}.pt"
         model, info, ckpt = checkpoint.load_quantized(best)
         onnx_path = best.with_suffix(".onnx")

@@ -23,12 +23,12 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from utils.qat.bench_report import build_results, collect_logs, log_name, render_markdown, write_report  # noqa: E402
-from utils.qat.errors import QATError, run_cli  # noqa: E402
-from utils.qat.trt_common import read_image_input, version_tuple  # noqa: E402
-from utils.qat.trtexec import (benchmark_command, find_trtexec, parse_trtexec_output, run_trtexec,  # noqa: E402
+from utils.qat.trt.bench_report import build_results, collect_logs, log_name, render_markdown, write_report  # noqa: E402
+from utils.qat.core.errors import QATError, run_cli  # noqa: E402
+from utils.qat.trt.trt_common import read_image_input, version_tuple  # noqa: E402
+from utils.qat.trt.trtexec import (benchmark_command, find_trtexec, parse_trtexec_output, run_trtexec,  # noqa: E402
                                trtexec_version)
-from utils.qat.validate import check_args  # noqa: E402
+from utils.qat.core.validate import check_args  # noqa: E402
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -52,7 +52,7 @@ def get_args_parser() -> argparse.ArgumentParser:
 
 
 def _fixed_batch(engine: Path) -> int | None:
-    from utils.qat.trt_engine import read_engine_metadata
+    from utils.qat.trt.trt_engine import read_engine_metadata
     b = read_engine_metadata(engine).get("batch") or {}
     return int(b["min"]) if b.get("min") is not None and b.get("min") == b.get("max") else None
 

@@ -4,7 +4,7 @@
     python3 scripts/build_engine.py ONNX ENGINE [--min B] [--opt B] [--max B] [--imgsz N] [--graph]
 
 Writes ENGINE and ENGINE.json (and ENGINE.layer.json with --graph). The work is done by
-``utils.qat.trt_engine.build_engine``; ``scripts/generate_trt_engine.sh`` builds with trtexec instead.
+``utils.qat.trt.trt_engine.build_engine``; ``scripts/generate_trt_engine.sh`` builds with trtexec instead.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from utils.qat.errors import run_cli  # noqa: E402
+from utils.qat.core.errors import run_cli  # noqa: E402
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -41,7 +41,7 @@ def get_args_parser() -> argparse.ArgumentParser:
 
 
 def main(a: argparse.Namespace) -> None:
-    from utils.qat.trt_engine import build_engine
+    from utils.qat.trt.trt_engine import build_engine
     print(build_engine(a.onnx, a.engine, min_batch=a.min, opt_batch=a.opt, max_batch=a.max, imgsz=a.imgsz,
                        strongly_typed=a.strongly_typed, int8=not a.fp16_only, workspace_gib=a.workspace,
                        timing_cache=a.timing_cache, plugins=a.plugins, layer_info=a.graph, verbose=a.verbose))

@@ -8,7 +8,7 @@
 #
 # Needs Polygraphy (pip install polygraphy) and, for the TensorRT side, a GPU host with TensorRT; the ONNX
 # Runtime side (--reference-only) runs anywhere. Exit status: 0 match, 1 mismatch, 2 wrong usage or input.
-# All options: python3 -m utils.qat.compare --help.
+# All options: python3 -m utils.qat.trt.compare --help.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)
 
@@ -18,4 +18,4 @@ if [ "$#" -lt 1 ]; then
 fi
 
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-exec python3 -m utils.qat.compare "$@"
+exec python3 -m utils.qat.trt.compare "$@"

@@ -6,7 +6,7 @@
 #   scripts/generate_trt_engine.sh ONNX ENGINE [--min B] [--opt B] [--max B] [--imgsz N] [--fp16-only] [--graph]
 #
 # --graph also writes ENGINE.layer.json and ENGINE.profile.json (--exportLayerInfo, --exportProfile,
-# --profilingVerbosity=detailed) for `python3 -m utils.qat.engine_graph ENGINE.layer.json`.
+# --profilingVerbosity=detailed) for `python3 -m utils.qat.trt.engine_graph ENGINE.layer.json`.
 # Writes ENGINE atomically, ENGINE.json (TensorRT version, stride, names, imgsz, ...) and
 # ENGINE.build.log. More options: python3 scripts/trtexec_cli.py build --help.
 set -euo pipefail

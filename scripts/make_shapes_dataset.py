@@ -359,7 +359,7 @@ def main(argv=None) -> int:
     args = get_args_parser().parse_args(argv)
     for flag, value, low in (("--train", args.train, 1), ("--val", args.val, 1), ("--imgsz", args.imgsz, 32),
                              ("--seed", args.seed, 0), ("--jobs", args.jobs, 1)):
-        if value < low:  # the wording of utils/qat/validate.py (this script runs before any tree is patched)
+        if value < low:  # the wording of utils/qat/core/validate.py (this script runs before any tree is patched)
             print(f"error: {flag} {value} is out of range: it must be at least {low}.", file=sys.stderr)
             return 2
     try:

@@ -7,7 +7,7 @@ the TensorRT install, or turn a saved trtexec log into JSON.
     python3 scripts/trtexec_cli.py parse LOG
 
 ``scripts/generate_trt_engine.sh`` runs ``build``; ``scripts/val_trt.sh`` runs ``check``. The work is done by
-``utils.qat.trtexec`` (flags per TensorRT version: docs/TENSORRT.md).
+``utils.qat.trt.trtexec`` (flags per TensorRT version: docs/TENSORRT.md).
 """
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from utils.qat import trtexec  # noqa: E402
-from utils.qat.errors import QATError, run_cli  # noqa: E402
+from utils.qat.trt import trtexec  # noqa: E402
+from utils.qat.core.errors import QATError, run_cli  # noqa: E402
 
 
 def cmd_build(a: argparse.Namespace) -> None:
@@ -40,7 +40,7 @@ def cmd_build(a: argparse.Namespace) -> None:
 
 def cmd_check(_a: argparse.Namespace) -> None:
     """What val_trt.sh needs before a long export: trtexec and the TensorRT Python package."""
-    from utils.qat.trt_common import trt_version_string
+    from utils.qat.trt.trt_common import trt_version_string
     exe = trtexec.find_trtexec()
     python_version = trt_version_string()
     print(f"trtexec: {exe}\ntrtexec version: {trtexec.trtexec_version(exe) or python_version}\n"
@@ -86,7 +86,7 @@ def get_args_parser() -> argparse.ArgumentParser:
 
 
 def main(args: argparse.Namespace) -> None:
-    from utils.qat.validate import check_args
+    from utils.qat.core.validate import check_args
     check_args(args)
     args.func(args)
 

@@ -70,7 +70,7 @@ bash "$ROOT/scripts/generate_trt_engine.sh" "$onnx_file" "$engine" --min 1 --opt
 if $generate_graph; then
     [ -f "$engine.layer.json" ] || die "trtexec did not write $engine.layer.json; see $engine.build.log."
     # Draws with TREx when it is installed, else a plain Graphviz drawing (and says how to install TREx).
-    python3 -m utils.qat.engine_graph "$engine.layer.json" --profile "$engine.profile.json" --out "$engine.svg"
+    python3 -m utils.qat.trt.engine_graph "$engine.layer.json" --profile "$engine.profile.json" --out "$engine.svg"
 fi
 
 python3 val_trt.py --engine-file "$engine" --data "$data" --imgsz "$img_size"

@@ -17,7 +17,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import qat  # noqa: E402  (applies the compatibility layer on import)
-from utils.qat.errors import run_cli  # noqa: E402
+from utils.qat.core.errors import run_cli  # noqa: E402
 
 
 def get_args_parser():

@@ -71,7 +71,7 @@ def pytest_configure(config):
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != str(REPO) and p not in here]
     sys.path.insert(0, str(tree))
     sys.path.insert(1, str(REPO / "tests"))
-    from utils.qat import compat
+    from utils.qat.core import compat
     compat.apply(tree)
     _TREE = tree
 
@@ -186,7 +186,7 @@ def run_main(tree: Path, tool: str, *args: str, cwd: Path | None = None):
 
 def cli_error(tree: Path, tool: str, *args: str, cwd: Path | None = None) -> str:
     """The one sentence a CLI fails with (``run_main``; ``run_cli`` prints it as ``error: <sentence>``)."""
-    from utils.qat.errors import QATError
+    from utils.qat.core.errors import QATError
     with pytest.raises(QATError) as e:
         run_main(tree, tool, *args, cwd=cwd)
     message = str(e.value)

@@ -26,7 +26,7 @@ def results(rank: int = 0, world: int = 1) -> dict:
     epochs of fine-tuning the max-calibrated model on this rank's share of every global batch, and the losses."""
     from utils.qat.quantize.model_quant import QuantConfig, fuse, quantize
     from utils.qat.quantize.finetune import QATConfig, finetune
-    from utils.qat import checkpoint
+    from utils.qat.model import checkpoint
     images = torch.rand(STEPS, GLOBAL_BATCH, 3, IMGSZ, IMGSZ, generator=torch.Generator().manual_seed(0))
     shards = [b[rank::world] for b in images]
     fp = checkpoint.load_fp(WEIGHTS)
@@ -42,7 +42,7 @@ def results(rank: int = 0, world: int = 1) -> dict:
 
 
 def main(out: Path) -> None:
-    from utils.qat import distributed
+    from utils.qat.core import distributed
     torch.set_num_threads(1)
     launch = distributed.launch_from_env()
     if launch is None:
@@ -53,6 +53,6 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    from utils.qat import compat
+    from utils.qat.core import compat
     compat.apply()
     main(Path(sys.argv[1]))

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from utils.qat.yolov9 import reinit  # noqa: F401  (the tests' random weights; the tree is on sys.path)
+from utils.qat.core.yolov9 import reinit  # noqa: F401  (the tests' random weights; the tree is on sys.path)
 
 # A tiny GELAN touching every quantizer kind: Conv, RepNCSPELAN4 (residual Add, internal cat),
 # AConv and ADown (avg/max pool), SPPELAN (MaxPool), Upsample, Concat, DDetect.
@@ -56,7 +56,7 @@ def real_images(folder: Path, n: int, size: int) -> torch.Tensor:
 
 def build(cfg, nc: int | None = None, seed: int = 0) -> nn.Module:
     """A DetectionModel from a yaml path or dict, re-initialised, with class names set."""
-    from utils.qat import yolov9
+    from utils.qat.core import yolov9
     model = yolov9.build(cfg, nc)
     model.names = {i: f"class{i}" for i in range(model.yaml["nc"] if nc is None else nc)}
     return reinit(model, seed)
@@ -64,7 +64,7 @@ def build(cfg, nc: int | None = None, seed: int = 0) -> nn.Module:
 
 # Upstream's own loaders (attempt_load, strip_optimizer, val.py) call torch.load without weights_only, and
 # torch >= 2.6 refuses the full pickles upstream writes. No toolkit command goes through them (the toolkit reads
-# checkpoints with utils.qat.checkpoint.read), so compat leaves torch.load alone; a test that runs upstream's
+# checkpoints with utils.qat.model.checkpoint.read), so compat leaves torch.load alone; a test that runs upstream's
 # loader on a checkpoint it wrote itself lifts the default for its own process, as a user of those scripts would.
 UPSTREAM_LOADS_PICKLES = "import functools, torch; torch.load = functools.partial(torch.load, weights_only=False)\n"
 

@@ -1,4 +1,4 @@
-"""utils/qat/artifact.py: the metadata an exported model carries, read the same way from every writer."""
+"""utils/qat/core/artifact.py: the metadata an exported model carries, read the same way from every writer."""
 from __future__ import annotations
 
 import sys
@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `python3 -m pytest` from the repository root has it already
     sys.path.append(str(REPO))
 
-from utils.qat.artifact import (ArtifactMeta, is_end2end, parse_names, parse_stride, read_props,  # noqa: E402
+from utils.qat.core.artifact import (ArtifactMeta, is_end2end, parse_names, parse_stride, read_props,  # noqa: E402
                                 task_from_outputs, write_props)
 
 

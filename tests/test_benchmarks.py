@@ -23,7 +23,7 @@ def test_quantizer_sensitivity_groups_fold_levels_and_cover_the_layer(yolov9_tre
     from weights, and the "all" groups hold exactly the layer's quantizers."""
     from utils.qat.quantize.model_quant import QuantConfig, prepare
     from utils.qat.quantize.state import enabled_quantizers
-    from utils.qat import checkpoint
+    from utils.qat.model import checkpoint
     bench = _module("quantizer_sensitivity")
     qmodel, _ = prepare(checkpoint.load_fp(QS), QuantConfig(method="max"))
     head = qmodel.model[-1]
@@ -95,7 +95,7 @@ def test_cost_table_times_fp_and_qat_on_the_same_batches(yolov9_tree, small_data
     (["--models", "gelan-x"], "gelan-x.yaml not found"),
 ])
 def test_cost_refuses_bad_flags_in_one_sentence(yolov9_tree, small_data, tmp_path, argv, says):
-    from utils.qat.errors import QATError
+    from utils.qat.core.errors import QATError
     data = [] if "--synthetic" in argv else ["--data", str(small_data)]
     with pytest.raises(QATError, match=re.escape(says)) as e:
         _cost(yolov9_tree, *data, *argv, "--device", "cpu", "--out", str(tmp_path))

@@ -36,7 +36,7 @@ def test_entropy_amax_is_modelopts_on_real_activations(yolov9_tree, shared):
     """Every histogram quantizer of GELAN-QS on 4 real images: within one bin of modelopt (equal so far)."""
     from modelopt.torch.quantization.calib import HistogramCalibrator
 
-    from utils.qat import checkpoint
+    from utils.qat.model import checkpoint
     from utils.qat.quantize.calib import entropy_amax
     from utils.qat.quantize.model_quant import QuantConfig, quantize
     from utils.qat.quantize.state import enabled_quantizers

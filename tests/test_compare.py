@@ -1,4 +1,4 @@
-"""scripts/compare_trt.sh / utils.qat.compare: TensorRT against ONNX Runtime with Polygraphy.
+"""scripts/compare_trt.sh / utils.qat.trt.compare: TensorRT against ONNX Runtime with Polygraphy.
 
 TensorRT cannot run here, so the TensorRT side is tested through the command line it builds. Everything
 else runs for real with Polygraphy: the ONNX Runtime reference run (``polygraphy run --onnxrt
@@ -43,8 +43,8 @@ def graphs(yolov9_tree, tmp_path_factory):
     import torch
 
     from utils.qat.quantize.model_quant import QuantConfig, quantize
-    from utils.qat import checkpoint
-    from utils.qat.onnx_export import export_onnx
+    from utils.qat.model import checkpoint
+    from utils.qat.onnx.onnx_export import export_onnx
     out = tmp_path_factory.mktemp("compare")
     fp = checkpoint.load_fp(WEIGHTS)
     g = torch.Generator().manual_seed(0)
@@ -67,7 +67,7 @@ def graphs(yolov9_tree, tmp_path_factory):
 
 
 def test_commands_per_tensorrt_version(tmp_path):
-    from utils.qat.compare import commands
+    from utils.qat.trt.compare import commands
     onnx_path, work = tmp_path / "m.onnx", tmp_path / "w"
     ref, trt10 = commands(onnx_path, work, outputs=["output0"], trt_version="10.3")
     assert ref == ["polygraphy", "run", str(onnx_path), "--onnxrt", "--data-loader-script",
@@ -118,7 +118,7 @@ def test_dry_run_and_clear_refusals(tmp_path, graphs, shapes):
 def test_onnx_runtime_side_and_verdicts(tmp_path, graphs, shapes):
     """The reference run for real, then the TensorRT command with --onnxrt in place of --trt (TensorRT cannot run
     here): the FP16+INT8 graph matches, the graph fed half-bright images does not."""
-    from utils.qat.compare import commands, report
+    from utils.qat.trt.compare import commands, report
     images = shapes.parent / "images" / "val"
     work = tmp_path / "w"
     r = _compare(str(graphs["fp32"]), "--images", str(images), "--imgsz", "256", "--batch", "4", "--reference-only",

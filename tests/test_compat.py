@@ -1,4 +1,4 @@
-"""utils/qat/compat.py: each shim makes an upstream call that a toolkit command reaches work on today's stack.
+"""utils/qat/core/compat.py: each shim makes an upstream call that a toolkit command reaches work on today's stack.
 
 Each test shows the upstream symptom first where this stack has it (in a clean subprocess, without
 the shims), then the same upstream call working with the shims applied. Missing packages
@@ -85,7 +85,7 @@ from pathlib import Path
 import torch
 from PIL import ImageFont
 
-from utils.qat import compat
+from utils.qat.core import compat
 
 def import_general():
     try:
@@ -159,12 +159,12 @@ def test_apply_patches_nothing_else(fresh_interpreter):
 
 
 # ---------------------------------------------------------------------------------------------
-# Known third-party noise (utils/qat/noise.py) is silenced by its exact text; real warnings still show.
+# Known third-party noise (utils/qat/core/noise.py) is silenced by its exact text; real warnings still show.
 
 def test_known_noise_silenced_real_warnings_kept(yolov9_tree):
     proc = run_python(yolov9_tree, """
         import logging, warnings
-        from utils.qat import compat
+        from utils.qat.core import compat
         compat.apply()
         import modelopt.torch.quantization  # imports torch.utils.cpp_extension and torch.jit.script's user
         warnings.warn("`torch.jit.script` is deprecated. Please switch to `torch.compile`", FutureWarning)

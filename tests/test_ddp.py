@@ -22,7 +22,7 @@ def _quantize_args(data: Path, project: Path, name: str, *extra: str) -> list[st
 
 
 def _amax(ckpt: Path) -> dict[str, torch.Tensor]:
-    from utils.qat import checkpoint
+    from utils.qat.model import checkpoint
     return {k: v for k, v in checkpoint.read(ckpt)["state_dict"].items() if k.endswith("_amax")}
 
 
@@ -115,7 +115,7 @@ def test_two_hosts_repeat_the_two_process_run(two_hosts):
     names = sorted(p.name for p in (run / "weights").iterdir())
     assert names == sorted(p.name for p in (single_host / "weights").iterdir())
     assert json.loads((run / "report.json").read_text())["world_size"] == 2
-    from utils.qat import checkpoint
+    from utils.qat.model import checkpoint
     for name in names:
         a, b = (checkpoint.read(d / "weights" / name)["state_dict"] for d in (run, single_host))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
@@ -202,13 +202,13 @@ def test_finetune_in_process_group(library_runs):
 # ---- devices and errors ----------------------------------------------------------------------------------------
 
 def _launch(rank=0, world=2, local_world=2):
-    from utils.qat.distributed import Launch
+    from utils.qat.core.distributed import Launch
     return Launch(rank=rank, local_rank=rank, world_size=world, local_world_size=local_world)
 
 
 def test_launch_from_env():
-    from utils.qat.distributed import Launch, launch_from_env
-    from utils.qat.errors import QATError
+    from utils.qat.core.distributed import Launch, launch_from_env
+    from utils.qat.core.errors import QATError
     assert launch_from_env({}) is None
     assert launch_from_env({"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}) is None  # --nproc_per_node 1
     env = {"WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
@@ -219,8 +219,8 @@ def test_launch_from_env():
 
 def test_device_mapping(monkeypatch):
     """Under torchrun the listed GPUs become the visible ones, in order; local rank r runs on cuda:r."""
-    from utils.qat.device import select_device
-    from utils.qat.errors import QATError
+    from utils.qat.core.device import select_device
+    from utils.qat.core.errors import QATError
     def cuda_runtime_count():  # what cuInit would see: the GPUs CUDA_VISIBLE_DEVICES names, on an 8-GPU host
         return len(os.environ["CUDA_VISIBLE_DEVICES"].split(",")) if "CUDA_VISIBLE_DEVICES" in os.environ else gpus[0]
 
@@ -266,7 +266,7 @@ def test_device_mapping(monkeypatch):
 def test_errors_before_any_process_starts(yolov9_tree, shapes, tmp_path, monkeypatch):
     """Raised identically on every rank before the process group exists, with nothing written."""
     import qat
-    from utils.qat.errors import QATError
+    from utils.qat.core.errors import QATError
 
     def main(*argv):
         return qat.main(qat.get_args_parser().parse_args(list(argv)))
@@ -311,7 +311,7 @@ def test_rank0_failure_ends_the_run(yolov9_tree, shapes, tmp_path):
 def test_which_rank_prints_an_error(monkeypatch, capsys):
     """run_cli on rank 1: an error every rank meets (raised before the process group, or agreed in it) exits
     quietly with status 0 (rank 0 prints it); an error of rank 1 alone is printed, status 2."""
-    from utils.qat.errors import QATError, run_cli
+    from utils.qat.core.errors import QATError, run_cli
     for k, v in {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}.items():
         monkeypatch.setenv(k, v)
 
@@ -329,8 +329,8 @@ def test_which_rank_prints_an_error(monkeypatch, capsys):
 
 
 def test_same_on_every_rank_without_a_group():
-    from utils.qat.distributed import same_on_every_rank
-    from utils.qat.errors import QATError
+    from utils.qat.core.distributed import same_on_every_rank
+    from utils.qat.core.errors import QATError
     with pytest.raises(QATError, match="bad") as e:
         with same_on_every_rank():
             raise QATError("bad")

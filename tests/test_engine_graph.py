@@ -1,4 +1,4 @@
-"""utils/qat/engine_graph.py on layer-information fixtures (tests/data/trtexec/*.layer.json).
+"""utils/qat/trt/engine_graph.py on layer-information fixtures (tests/data/trtexec/*.layer.json).
 
 The fixtures are WRITTEN FROM THE DOCUMENTED FORMAT of ``trtexec --exportLayerInfo`` /
 IEngineInspector with ``--profilingVerbosity=detailed`` (TensorRT 10 "Bindings", TensorRT 11
@@ -24,8 +24,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `python3 -m pytest` from the repository root has it already
     sys.path.append(str(REPO))
 
-from utils.qat import engine_graph as eg  # noqa: E402
-from utils.qat.errors import QATError  # noqa: E402
+from utils.qat.trt import engine_graph as eg  # noqa: E402
+from utils.qat.core.errors import QATError  # noqa: E402
 
 DATA = REPO / "tests" / "data" / "trtexec"
 LAYERS10 = DATA / "yolov9_qat.engine.layer.json"
@@ -197,12 +197,12 @@ def test_bad_inputs(tmp_path):
 
 
 def test_cli(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "utils.qat.engine_graph", str(LAYERS10), "--profile", str(PROFILE),
+    r = subprocess.run([sys.executable, "-m", "utils.qat.trt.engine_graph", str(LAYERS10), "--profile", str(PROFILE),
                         "--out", str(tmp_path / "e.svg"), "--no-trex"], cwd=REPO, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stderr
     assert "| INT8 | 7 | 70.0% |" in r.stdout
     assert (tmp_path / "e.dot").is_file()
-    r = subprocess.run([sys.executable, "-m", "utils.qat.engine_graph", str(tmp_path / "missing.layer.json")],
+    r = subprocess.run([sys.executable, "-m", "utils.qat.trt.engine_graph", str(tmp_path / "missing.layer.json")],
                        cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.startswith("error: layer-info file")

@@ -44,7 +44,7 @@ def images(shared):
 
 @pytest.fixture(scope="module")
 def fp_model(yolov9_tree, gelan_c):
-    from utils.qat.onnx_export import load_for_export
+    from utils.qat.onnx.onnx_export import load_for_export
     model, task, quantized, _ = load_for_export(gelan_c)
     assert task == "detect" and not quantized
     return model
@@ -54,7 +54,7 @@ def fp_model(yolov9_tree, gelan_c):
 def qat_ckpt(yolov9_tree, work, gelan_c, shared):
     """A quantized checkpoint of GELAN-C (PTQ 'max' on 4 real images at 160 px), written once."""
     from utils.qat.quantize.model_quant import QuantConfig, quantize
-    from utils.qat import checkpoint
+    from utils.qat.model import checkpoint
     fp = checkpoint.load_fp(gelan_c)
     calib = real_images(shared / "datasets" / "coco369" / "images" / "train2017", 4, IMGSZ)
     qmodel, info = quantize(fp, [calib[:2], calib[2:]], QuantConfig(method="max", head_amax="calibrated"), example=calib[:1])
@@ -64,7 +64,7 @@ def qat_ckpt(yolov9_tree, work, gelan_c, shared):
 
 @pytest.fixture(scope="module")
 def qat_model(qat_ckpt):
-    from utils.qat.onnx_export import load_for_export
+    from utils.qat.onnx.onnx_export import load_for_export
     model, task, quantized, fp_patterns = load_for_export(qat_ckpt)
     assert quantized and task == "detect"
     return model, fp_patterns
@@ -72,7 +72,7 @@ def qat_model(qat_ckpt):
 
 @pytest.fixture(scope="module")
 def fp_dynamic(fp_model, work):
-    from utils.qat.onnx_export import export_onnx
+    from utils.qat.onnx.onnx_export import export_onnx
     out = work / "fp-dynamic.onnx"
     export_onnx(fp_model, out, imgsz=IMGSZ, dynamic=True)
     return out
@@ -81,7 +81,7 @@ def fp_dynamic(fp_model, work):
 @pytest.fixture(scope="module")
 def fp_static(fp_model, work):
     """The FP graph at batch 2 (test_fp_static_export_matches_pytorch checks it; the FP16 test's FP32 reference)."""
-    from utils.qat.onnx_export import export_onnx
+    from utils.qat.onnx.onnx_export import export_onnx
     out = work / "fp-static.onnx"
     rep = export_onnx(fp_model, out, imgsz=IMGSZ, batch_size=2, metadata={"source": "gelan-c.pt"})
     return out, rep
@@ -104,7 +104,7 @@ def _run(path, x: torch.Tensor) -> dict[str, np.ndarray]:
 
 @torch.no_grad()
 def _torch(model, x: torch.Tensor) -> np.ndarray:
-    from utils.qat.yolov9 import outputs
+    from utils.qat.core.yolov9 import outputs
     return outputs(model(x), "detect")[0].numpy()
 
 
@@ -148,7 +148,7 @@ def test_fp_static_export_matches_pytorch(fp_model, fp_static, images):
     assert meta["stride"] == "32" and meta["task"] == "detect" and meta["quantized"] == "false"
     assert json.loads(meta["names"])["0"] == "person" and json.loads(meta["imgsz"]) == [IMGSZ, IMGSZ]
     assert meta["source"] == "gelan-c.pt" and meta["version"]
-    from utils.qat.provenance import toolkit_commit
+    from utils.qat.core.provenance import toolkit_commit
     assert meta.get("toolkit_commit") == toolkit_commit()  # None (absent) where the tree records no commit
     diff = np.abs(_run(out, images)["output0"] - _torch(fp_model, images))
     print(f"FP static: max |ORT - PyTorch| boxes {diff[:, :4].max():.2e} px, scores {diff[:, 4:].max():.2e}")
@@ -178,7 +178,7 @@ def test_qat_reference_command_plain(qat_plain_cli, qat_ckpt, qat_model, images)
     assert "Q/DQ pairs" in r.stdout and "Q/DQ lint: clean" in r.stdout and "simplify: done" in r.stdout
     ins, outs = _io(out)
     assert ins["images"][0] == ["batch", 3, "height", "width"] and outs["output0"][0] == ["batch", 84, "anchors"]
-    from utils.qat import onnx_qdq
+    from utils.qat.onnx import onnx_qdq
     model = onnx.load(str(out))
     assert onnx_qdq.lint(model)["total"] == 0
     s = onnx_qdq.qdq_summary(model)
@@ -188,7 +188,7 @@ def test_qat_reference_command_plain(qat_plain_cli, qat_ckpt, qat_model, images)
     assert _meta(out)["source_sha256"] == hashlib.sha256(qat_ckpt.read_bytes()).hexdigest()  # what it exported
     # weights are stored as INT8, exactly the integers PyTorch's fake quantization uses
     from onnx import numpy_helper
-    from utils.qat.onnx_export import quantized_weights
+    from utils.qat.onnx.onnx_export import quantized_weights
     qmodel, _ = qat_model
     fake = quantized_weights(qmodel)
     inits = {t.name: t for t in model.graph.initializer}
@@ -220,8 +220,8 @@ def test_half_fp_and_qat(fp_model, fp_static, qat_model, qat_plain_cli, work, im
     Cast in between: what ModelOpt keeps "for optimal TRT fusion"); the lint stays clean; outputs stay close.
     The FP32 references are the module's graphs of the same models (the static FP one, the reference command's
     INT8 one), not exported again: a GELAN-C export is what this test spends its time on."""
-    from utils.qat.onnx_export import export_onnx
-    from utils.qat.onnx_qdq import conv_feeds
+    from utils.qat.onnx.onnx_export import export_onnx
+    from utils.qat.onnx.onnx_qdq import conv_feeds
     qmodel, fp_patterns = qat_model
     for name, model, kw, full in (("fp", fp_model, {}, fp_static[0]),
                                   ("qat", qmodel, {"allow_fp": fp_patterns}, qat_plain_cli[1])):
@@ -263,8 +263,8 @@ def test_half_fp_and_qat(fp_model, fp_static, qat_model, qat_plain_cli, work, im
 def test_half_without_autocast_packages_is_one_sentence(fp_model, work, monkeypatch):
     import builtins
 
-    from utils.qat.errors import QATError
-    from utils.qat.onnx_export import export_onnx
+    from utils.qat.core.errors import QATError
+    from utils.qat.onnx.onnx_export import export_onnx
     real_import = builtins.__import__
 
     def no_autocast(name, *args, **kwargs):
@@ -299,7 +299,7 @@ def _upstream(pred: np.ndarray, conf: float, iou: float, topk: int, agnostic: bo
 
 @pytest.mark.parametrize("agnostic", [False, True])
 def test_end2end_onnx_fp_equals_upstream_nms(fp_model, work, images, agnostic):
-    from utils.qat.onnx_export import export_onnx
+    from utils.qat.onnx.onnx_export import export_onnx
     out = work / f"fp-e2e-onnx-{agnostic}.onnx"
     conf, iou, topk = 0.01, 0.6, 50
     export_onnx(fp_model, out, imgsz=IMGSZ, batch_size=2, end2end=dict(
@@ -322,7 +322,7 @@ def test_end2end_onnx_fp_equals_upstream_nms(fp_model, work, images, agnostic):
 def test_end2end_onnx_qat_equals_plain_graph_plus_nms(qat_model, qat_plain_cli, work, images):
     """INT8 End2End (--nms onnx, dynamic, simplified): the detections of the plain INT8 graph (the reference
     command's export) + upstream NMS, at two image sizes."""
-    from utils.qat.onnx_export import export_onnx
+    from utils.qat.onnx.onnx_export import export_onnx
     qmodel, fp_patterns = qat_model
     e2e = work / "qat-e2e-onnx.onnx"
     conf, iou, topk = 0.01, 0.6, 50
@@ -374,7 +374,7 @@ def test_end2end_trt_reference_command(yolov9_tree, qat_ckpt, work):
 def test_end2end_trt_options_and_segmentation_graph(yolov9_tree, work):
     """--class-agnostic / thresholds reach the plugin; segmentation uses EfficientNMSX_TRT + ROIAlign_TRT and the
     --nms onnx segmentation graph runs in ONNX Runtime (tiny random model with an upstream Segment head)."""
-    from utils.qat.onnx_export import export_onnx
+    from utils.qat.onnx.onnx_export import export_onnx
     det = build(TINY_GELAN)
     out = work / "tiny-e2e-trt.onnx"
     export_onnx(det, out, imgsz=64, dynamic=True, end2end=dict(backend="trt", topk_all=20, iou_thres=0.5,
@@ -396,7 +396,7 @@ def test_end2end_trt_options_and_segmentation_graph(yolov9_tree, work):
     roi = {a.name: onnx.helper.get_attribute_value(a) for a in ops["ROIAlign_TRT"].attribute}
     assert roi["output_height"] == roi["output_width"] == r and roi["spatial_scale"] == pytest.approx(0.25)
     assert roi["plugin_version"] == b"2"  # IPluginV3, since TensorRT 10.1; version 1 is deprecated (10.12)
-    from utils.qat.trt_engine import onnx_metadata
+    from utils.qat.trt.trt_engine import onnx_metadata
     assert [p["name"] for p in onnx_metadata(trt_out)["plugins"]] == ["EfficientNMSX_TRT", "ROIAlign_TRT"]
     assert [o.name for o in g.output] == E2E_OUTPUTS + ["det_masks"]
     export_onnx(seg, onnx_out, imgsz=64, batch_size=2, task="segment", end2end=dict(backend="onnx", **opts))
@@ -483,9 +483,9 @@ def _val(tree, onnx_path, data, project, name):
 
 
 def _evaluate(model, data):
-    from utils.qat.backends import TorchBackend
-    from utils.qat.data import load_data_yaml
-    from utils.qat.evaluate import evaluate
+    from utils.qat.evaluation.backends import TorchBackend
+    from utils.qat.evaluation.data import load_data_yaml
+    from utils.qat.evaluation.evaluate import evaluate
     return evaluate(TorchBackend(model, torch.device("cpu")), load_data_yaml(data), imgsz=IMGSZ, batch_size=4,
                     workers=0)
 
@@ -505,7 +505,7 @@ def test_val_trt_fp_onnx_equals_pytorch(yolov9_tree, fp_model, fp_dynamic, work,
 @pytest.mark.e2e
 def test_val_trt_end2end_equals_plain(yolov9_tree, fp_model, fp_dynamic, work, small_data):
     """An End2End graph (--nms onnx) with the evaluation thresholds scores like the plain graph + upstream NMS."""
-    from utils.qat.onnx_export import export_onnx
+    from utils.qat.onnx.onnx_export import export_onnx
     e2e = work / "fp-e2e-eval.onnx"
     export_onnx(fp_model, e2e, imgsz=IMGSZ, dynamic=True, end2end=dict(backend="onnx", topk_all=300, iou_thres=0.7,
                                                                         conf_thres=0.001))
@@ -525,7 +525,7 @@ def test_val_trt_reads_upstream_metadata(yolov9_tree, fp_model, fp_dynamic, work
     ("{0: 'person', ...}", not JSON). val_trt.py reads it (JSON or Python literal, never evaluated as code) and
     scores the graph like our own export of it."""
     import onnx
-    from utils.qat.backends import ORTBackend
+    from utils.qat.evaluation.backends import ORTBackend
     m = onnx.load(str(fp_dynamic))
     del m.metadata_props[:]
     for k, v in {"stride": int(max(fp_model.stride)), "names": dict(fp_model.names)}.items():
@@ -571,11 +571,11 @@ def test_cli_errors(yolov9_tree, work):
 
 
 def test_open_backend_by_suffix(yolov9_tree, work, fp_dynamic):
-    """utils.qat.backends.open_backend: a .pt checkpoint runs in PyTorch, an .onnx in ONNX Runtime, both with every
+    """utils.qat.evaluation.backends.open_backend: a .pt checkpoint runs in PyTorch, an .onnx in ONNX Runtime, both with every
     attribute of the Backend protocol."""
     from typing import get_type_hints
 
-    from utils.qat.backends import Backend, open_backend
+    from utils.qat.evaluation.backends import Backend, open_backend
     for path, runtime in ((work / "gelan-c.pt", "PyTorch"), (fp_dynamic, "ONNX Runtime")):
         backend = open_backend(path, "cpu")
         assert (backend.runtime, backend.task, backend.stride) == (runtime, "detect", 32)
@@ -588,7 +588,7 @@ def test_library_errors(yolov9_tree, work, small_data):
     import export_qat
     import val_trt
     from models.yolo import ClassificationModel
-    from utils.qat.errors import QATError
+    from utils.qat.core.errors import QATError
     bad = work / "errors-lib"
     bad.mkdir()
 
@@ -624,8 +624,8 @@ def test_library_errors(yolov9_tree, work, small_data):
 
 
 def test_unwritable_output_leaves_nothing(fp_model, work):
-    from utils.qat.errors import QATError
-    from utils.qat.onnx_export import export_onnx
+    from utils.qat.core.errors import QATError
+    from utils.qat.onnx.onnx_export import export_onnx
     folder = work / "unwritable"
     folder.mkdir()
     (folder / "model.onnx").mkdir()  # the output path is taken by a folder: the final rename fails
@@ -636,7 +636,7 @@ def test_unwritable_output_leaves_nothing(fp_model, work):
 
 def test_simplify_failure_keeps_unsimplified(yolov9_tree, work, monkeypatch, capsys):
     import export_qat
-    from utils.qat import onnx_qdq
+    from utils.qat.onnx import onnx_qdq
 
     def broken(model, **kwargs):
         raise RuntimeError("onnxslim failed: ValueError: boom")
@@ -657,8 +657,8 @@ def test_simplify_failure_keeps_unsimplified(yolov9_tree, work, monkeypatch, cap
 def test_check_findings_fail_after_writing(qat_ckpt, work, monkeypatch, capsys):
     """--check (default for quantized checkpoints): lint findings are printed, the file is kept, exit non-zero."""
     import export_qat
-    from utils.qat import onnx_qdq
-    from utils.qat.errors import QATError
+    from utils.qat.onnx import onnx_qdq
+    from utils.qat.core.errors import QATError
     lint = onnx_qdq.lint
 
     def one_finding(model, **kwargs):

@@ -134,7 +134,7 @@ def check_run_folder(run: Path) -> dict:
     hold; every checkpoint present is named by report.json (qat_best: the best of those named)."""
     from PIL import Image
 
-    from utils.qat import checkpoint
+    from utils.qat.model import checkpoint
     files = [p for p in run.rglob("*") if p.is_file()]
     assert not [p for p in files if p.name.startswith(".")], f"temporary files left: {files}"
     report = json.loads((run / "report.json").read_text())
@@ -237,7 +237,7 @@ def test_rerun_with_exist_ok_after_sigkill(yolov9_tree, shapes, sigkilled):
     assert "held an earlier run of gelan-qs-shapes (--exist-ok): removed its" in r.stdout
     report = check_run_folder(run)
     assert [m["name"] for m in report["models"]] == ["Origin", "PTQ", "QAT"] and len(report["epochs"]) == 1
-    from utils.qat import checkpoint
+    from utils.qat.model import checkpoint
     checkpoint.load_quantized(run / "weights" / f"qat_best_{QS.stem}.pt")  # the model rebuilds from it
 
 
@@ -281,8 +281,8 @@ def test_disk_full(yolov9_tree, shapes, tmp_path):
 
 
 def test_atomic_file_whole_or_nothing(yolov9_tree, tmp_path):
-    from utils.qat.atomic import atomic_file, write_text
-    from utils.qat.errors import saved_summary
+    from utils.qat.core.atomic import atomic_file, write_text
+    from utils.qat.core.errors import saved_summary
     target = write_text(tmp_path / "report.json", "old")
     with pytest.raises(RuntimeError):
         with atomic_file(target) as f:
@@ -302,8 +302,8 @@ def test_atomic_file_whole_or_nothing(yolov9_tree, tmp_path):
 _STOP_SCRIPT = """
 import multiprocessing, os, signal, sys, time
 from pathlib import Path
-from utils.qat.atomic import atomic_file, write_text
-from utils.qat.errors import run_cli
+from utils.qat.core.atomic import atomic_file, write_text
+from utils.qat.core.errors import run_cli
 
 def main():
     with multiprocessing.Pool(1) as pool:  # its worker inherits run_cli's handlers; the pool ends it by SIGTERM

@@ -24,7 +24,7 @@ def images(shared):
 
 @pytest.fixture(scope="module")
 def qs(yolov9_tree):
-    from utils.qat import checkpoint
+    from utils.qat.model import checkpoint
     return checkpoint.load_fp(QS)
 
 
@@ -92,7 +92,7 @@ def test_quantized_models_use_qdq_rounding(qs_calibrated, tmp_path):
     from modelopt.torch.quantization.nn import TensorQuantizer
 
     from utils.qat.quantize.qdq import BACKEND
-    from utils.qat import checkpoint
+    from utils.qat.model import checkpoint
     qmodel, info = qs_calibrated
     path = checkpoint.save_quantized(tmp_path / "q.pt", qmodel, info)
     restored, _, _ = checkpoint.load_quantized(path)
@@ -132,7 +132,7 @@ def test_every_objective_trains_and_reports_its_terms(qs, qs_calibrated, images)
     from utils.qat.quantize.objectives import OBJECTIVES
     from utils.qat.quantize.model_quant import fuse
     from utils.qat.quantize.finetune import QATConfig, finetune
-    from utils.qat.errors import QATError
+    from utils.qat.core.errors import QATError
     qmodel, _ = qs_calibrated
     teacher = fuse(copy.deepcopy(qs))
     targets = torch.tensor([[0, 1, 0.5, 0.5, 0.3, 0.3], [1, 2, 0.4, 0.6, 0.2, 0.4]])
@@ -150,7 +150,7 @@ def test_every_objective_trains_and_reports_its_terms(qs, qs_calibrated, images)
 def test_gains_weight_their_head_terms(yolov9_tree, images):
     """``box_gain`` and ``mask_gain`` multiply the head objective's box and masks terms and nothing else (on
     the embedded GELAN-QS-seg: the first step's terms, before any update, from one calibrated start)."""
-    from utils.qat import checkpoint
+    from utils.qat.model import checkpoint
     from utils.qat.quantize.model_quant import QuantConfig, fuse, quantize
     from utils.qat.quantize.finetune import QATConfig, finetune
     seg = checkpoint.load_fp(REPO / "weights" / "gelan-qs-seg-shapes.pt", task="segment")
@@ -171,7 +171,7 @@ def test_gains_weight_their_head_terms(yolov9_tree, images):
 def test_seed_orders_the_training_images(yolov9_tree, small_data):
     """``--seed`` reaches the QAT dataloader: the same seed gives the same order of the training images, another
     seed another order (upstream's loader alone repeats one order whatever the seed)."""
-    from utils.qat.data import dataloader, load_data_yaml
+    from utils.qat.evaluation.data import dataloader, load_data_yaml
     data = load_data_yaml(small_data, splits=("train", "val"))
 
     def order(seed):
@@ -256,7 +256,7 @@ def test_learned_amax_moves_keeps_groups_shared_and_saves_as_buffers(qs, qs_cali
     from utils.qat.quantize.model_quant import fuse
     from utils.qat.quantize.finetune import QATConfig, finetune
     from utils.qat.quantize.rules import input_quantizers
-    from utils.qat import checkpoint
+    from utils.qat.model import checkpoint
     qmodel, info = qs_calibrated
     assert info.scale_groups, "the embedded model has concat groups"
     student = copy.deepcopy(qmodel)
@@ -289,7 +289,7 @@ def test_fake_quant_models_are_evaluated_without_tf32(qs, qs_calibrated, images)
     """TorchBackend runs a fake-quantized model with TF32 off (as ONNX Runtime / TensorRT compute), an FP
     model as PyTorch is configured, and restores the flags after the call."""
     from utils.qat.quantize.model_quant import fuse
-    from utils.qat.backends import TorchBackend
+    from utils.qat.evaluation.backends import TorchBackend
     qmodel, _ = qs_calibrated
     seen = []
     flags = lambda: (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)  # noqa: E731

@@ -1,4 +1,4 @@
-"""utils.qat.onnx_qdq: Q/DQ lint, dedupe, simplify and summary on hand-built ONNX graphs, plus one real
+"""utils.qat.onnx.onnx_qdq: Q/DQ lint, dedupe, simplify and summary on hand-built ONNX graphs, plus one real
 modelopt export. Pure ONNX (no YOLOv9 tree needed); the modelopt test is skipped without modelopt."""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from utils.qat import onnx_qdq
-from utils.qat.onnx_qdq import FINDING_KINDS, dedupe_qdq, format_lint, lint, qdq_summary, simplify
+from utils.qat.onnx import onnx_qdq
+from utils.qat.onnx.onnx_qdq import FINDING_KINDS, dedupe_qdq, format_lint, lint, qdq_summary, simplify
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -574,7 +574,7 @@ def test_qdq_summary():
 def test_module_does_not_import_torch():
     import subprocess
     import sys
-    code = "import sys, utils.qat.onnx_qdq; assert 'torch' not in sys.modules and 'onnxslim' not in sys.modules"
+    code = "import sys, utils.qat.onnx.onnx_qdq; assert 'torch' not in sys.modules and 'onnxslim' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=str(onnx_qdq.__file__).rsplit("/utils/", 1)[0])
 
 

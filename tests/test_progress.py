@@ -1,4 +1,4 @@
-"""utils/qat/progress.py: a bar on a terminal (a real pseudo-terminal here), one line per stage in a log."""
+"""utils/qat/core/progress.py: a bar on a terminal (a real pseudo-terminal here), one line per stage in a log."""
 from __future__ import annotations
 
 import io
@@ -7,7 +7,7 @@ import os
 import pytest
 from tqdm import tqdm
 
-from utils.qat.progress import StageLine, progress
+from utils.qat.core.progress import StageLine, progress
 
 
 def test_log_gets_one_line_per_stage():

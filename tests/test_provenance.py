@@ -1,4 +1,4 @@
-"""Provenance (utils/qat/provenance.py): the sha256 of a weights file, and the toolkit commit that patch_yolov9.sh
+"""Provenance (utils/qat/core/provenance.py): the sha256 of a weights file, and the toolkit commit that patch_yolov9.sh
 records in a tree's manifest when it installs from a git clone. report.json, checkpoints and `qat.py eval` are
 checked in tests/test_qat_cli.py on its run."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ QS = REPO / "weights" / "gelan-qs-shapes.pt"
 
 
 def test_sha256_reads_in_chunks(tmp_path):
-    from utils.qat.provenance import sha256
+    from utils.qat.core.provenance import sha256
     data = bytes(range(256)) * 14 + b"tail"  # 3.5 chunks of 1024 bytes and a few over
     path = tmp_path / "w.pt"
     path.write_bytes(data)
@@ -26,7 +26,7 @@ def test_sha256_reads_in_chunks(tmp_path):
 
 def test_record():
     from utils.qat import __version__
-    from utils.qat.provenance import record, toolkit_commit
+    from utils.qat.core.provenance import record, toolkit_commit
     assert record() == {"toolkit_version": __version__, "toolkit_commit": toolkit_commit()}
     assert record(QS) == {"weights": str(QS), "weights_sha256": hashlib.sha256(QS.read_bytes()).hexdigest(),
                           "toolkit_version": __version__, "toolkit_commit": toolkit_commit()}
@@ -40,7 +40,7 @@ def _git(repo, *args: str) -> str:
 def test_commit_of_the_test_tree(yolov9_tree):
     """The session's tree was patched from this repository: it names the repository's HEAD (-dirty while overlay
     files have uncommitted changes), or nothing where the repository is not a git clone."""
-    from utils.qat.provenance import TREE, toolkit_commit
+    from utils.qat.core.provenance import TREE, toolkit_commit
     assert TREE == yolov9_tree
     if shutil.which("git") is None or not (REPO / ".git").exists():
         assert toolkit_commit() is None
@@ -55,7 +55,7 @@ def test_patcher_records_the_commit(tmp_path):
     """Installed from a git clone: every manifest line's version is 9.9.9+g<commit>, which toolkit_commit reads;
     an uncommitted change to an overlay file marks it .dirty (-dirty); a copy without git records the plain
     version and no commit (tests/test_patcher.py), and so does a copy inside another repository."""
-    from utils.qat.provenance import toolkit_commit
+    from utils.qat.core.provenance import toolkit_commit
     repo, tree = make_fake_repo(tmp_path / "repo"), make_fake_tree(tmp_path / "yolov9")
     _git(repo, "init", "-q")
     _git(repo, "add", "-A")

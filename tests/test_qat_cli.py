@@ -60,8 +60,9 @@ def test_quantize_report(yolov9_tree, quantize_run):
     hyp = yolov9_tree / "data/hyps/hyp.scratch-high.yaml"  # the default, resolved in the tree, printed and recorded
     assert args["hyp"] == str(hyp)
     assert f"hyp: {hyp} (augmentation of the fine-tuning images; the default for detect)" in r.stdout
-    from utils.qat import __version__, checkpoint
-    from utils.qat.provenance import toolkit_commit
+    from utils.qat import __version__
+    from utils.qat.model import checkpoint
+    from utils.qat.core.provenance import toolkit_commit
     assert checkpoint.read(run / "weights" / "qat_best_gelan-qs-shapes.pt")["args"] == args
     # provenance: the weights it started from (their sha256) and the toolkit, in report.json and every checkpoint
     assert report["provenance"] == {"weights": str(QS), "weights_sha256": hashlib.sha256(QS.read_bytes()).hexdigest(),
@@ -137,7 +138,7 @@ def test_ptq_only_and_no_eval_flags(yolov9_tree, shapes, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert [p.name for p in (tmp_path / "p" / "weights").iterdir()] == ["ptq_gelan-qs-shapes.pt"]
     assert json.loads((tmp_path / "p" / "report.json").read_text())["models"] == []
-    from utils.qat import checkpoint
+    from utils.qat.model import checkpoint
     ckpt = checkpoint.read(tmp_path / "p" / "weights" / "ptq_gelan-qs-shapes.pt")
     assert ckpt["quant"]["skip"] == ["22"] and ckpt["quant"]["calib_method"] == "max"
 

@@ -28,7 +28,7 @@ def val_images(shared):
 
 @pytest.fixture(scope="module")
 def gelan_c_fp(yolov9_tree, gelan_c):
-    from utils.qat import checkpoint
+    from utils.qat.model import checkpoint
     return checkpoint.load_fp(gelan_c)
 
 
@@ -127,7 +127,7 @@ def test_fake_quant_close_to_fp(gelan_c_fp, gelan_c_q, val_images):
 
 
 def test_checkpoint_round_trip_in_fresh_process(yolov9_tree, gelan_c_q, val_images, tmp_path):
-    from utils.qat import checkpoint
+    from utils.qat.model import checkpoint
     qmodel, info = gelan_c_q
     path = checkpoint.save_quantized(tmp_path / "q.pt", qmodel, info)
     assert not list(tmp_path.glob("*.part"))
@@ -141,8 +141,8 @@ def test_checkpoint_round_trip_in_fresh_process(yolov9_tree, gelan_c_q, val_imag
         torch.set_num_threads(threads)
     code = (
         "import sys, torch; sys.path.insert(0, '.'); torch.set_num_threads(1)\n"
-        "from utils.qat import compat; compat.apply('.')\n"
-        "from utils.qat import checkpoint\n"
+        "from utils.qat.core import compat; compat.apply('.')\n"
+        "from utils.qat.model import checkpoint\n"
         f"m, info, ck = checkpoint.load_quantized(r'{path}')\n"
         f"x = torch.load(r'{tmp_path / 'x.pt'}')\n"
         "with torch.no_grad(): y = m(x)[0]\n"
@@ -156,8 +156,8 @@ def test_checkpoint_round_trip_in_fresh_process(yolov9_tree, gelan_c_q, val_imag
 
 
 def test_checkpoint_kind_errors(yolov9_tree, gelan_c, gelan_c_q, tmp_path):
-    from utils.qat import checkpoint
-    from utils.qat.errors import QATError
+    from utils.qat.model import checkpoint
+    from utils.qat.core.errors import QATError
     qmodel, info = gelan_c_q
     qpath = checkpoint.save_quantized(tmp_path / "q.pt", qmodel, info)
     with pytest.raises(QATError, match="quantized .*floating-point"):
@@ -176,8 +176,8 @@ def test_skip_layers_leave_no_qdq(gelan_c_fp, calib_images, tmp_path):
     import onnx
 
     from utils.qat.quantize.model_quant import QuantConfig, quantize
-    from utils.qat.onnx_export import export_onnx
-    from utils.qat.onnx_qdq import lint
+    from utils.qat.onnx.onnx_export import export_onnx
+    from utils.qat.onnx.onnx_qdq import lint
     qmodel, info = quantize(gelan_c_fp, [calib_images[:2]], QuantConfig(method="max", skip=("22", "model.15.cv4*"), head_amax="calibrated"),
                             example=calib_images[:1])
     enabled = [n for n, q in _quantizers(qmodel).items() if q.is_enabled]
@@ -202,8 +202,8 @@ def test_onnx_scales_shared_and_ort_matches(gelan_c_q, val_images, tmp_path):
     import onnxruntime as ort
     from onnx import numpy_helper
 
-    from utils.qat.onnx_export import export_onnx
-    from utils.qat.onnx_qdq import lint
+    from utils.qat.onnx.onnx_export import export_onnx
+    from utils.qat.onnx.onnx_qdq import lint
     qmodel, _ = gelan_c_q
     out = tmp_path / "q.onnx"
     export_onnx(qmodel, out, imgsz=(IMGSZ, IMGSZ), batch_size=2, metadata={})
@@ -269,7 +269,7 @@ def test_calibration_methods(yolov9_tree, shared, method):
 
 def test_unknown_method_and_double_quantize(yolov9_tree):
     from utils.qat.quantize.model_quant import QuantConfig, prepare
-    from utils.qat.errors import QATError
+    from utils.qat.core.errors import QATError
     model = build(TINY_GELAN)
     with pytest.raises(QATError, match="unknown calibration method"):
         QuantConfig(method="minmax")
@@ -281,7 +281,7 @@ def test_unknown_method_and_double_quantize(yolov9_tree):
 
 def test_skip_layer_errors(yolov9_tree):
     from utils.qat.quantize.model_quant import QuantConfig, prepare
-    from utils.qat.errors import QATError
+    from utils.qat.core.errors import QATError
     model = build(TINY_GELAN)
     with pytest.raises(QATError, match="not a layer of this model"):
         prepare(model, QuantConfig(skip=("99",)))
@@ -327,8 +327,8 @@ def test_activation_variants_quantize_and_export(yolov9_tree, shared, act, tmp_p
     import onnxruntime as ort
 
     from utils.qat.quantize.model_quant import QuantConfig, quantize
-    from utils.qat.onnx_export import export_onnx
-    from utils.qat.onnx_qdq import lint
+    from utils.qat.onnx.onnx_export import export_onnx
+    from utils.qat.onnx.onnx_qdq import lint
     torch.manual_seed(0)  # a randomly initialised model: the same one whatever ran before
     model = ACTIVATIONS[act]()
     x = real_images(shared / "datasets" / "coco369" / "images" / "train2017", 2, 64)
@@ -361,8 +361,8 @@ def test_lint_clean_on_every_size(yolov9_tree, shared, cfg, tmp_path):
     if cfg.endswith(("-t", "-s")) and not tree_has(yolov9_tree, "ELAN1"):
         pytest.skip(f"{cfg} needs ELAN1 from upstream models/common.py, which this YOLOv9 tree lacks")
     from utils.qat.quantize.model_quant import QuantConfig, quantize
-    from utils.qat.onnx_export import export_onnx
-    from utils.qat.onnx_qdq import lint
+    from utils.qat.onnx.onnx_export import export_onnx
+    from utils.qat.onnx.onnx_qdq import lint
     model = build(yolov9_tree / "models" / "detect" / f"{cfg}.yaml", nc=80)
     x = real_images(shared / "datasets" / "coco369" / "images" / "train2017", 1, 64)
     qmodel, info = quantize(model, [x], QuantConfig(method="max", head_amax="calibrated"), example=x)
@@ -451,9 +451,9 @@ def test_lint_clean_on_segmentation_models(yolov9_tree, shared, cfg, tmp_path):
     """Segmentation heads (Segment's Proto branch with its Upsample, DualDSegment's two proto convs) get
     quantizers where TensorRT needs them: zero lint findings, output0 + output1 in the graph."""
     from utils.qat.quantize.model_quant import QuantConfig, quantize
-    from utils.qat import yolov9
-    from utils.qat.onnx_export import export_onnx
-    from utils.qat.onnx_qdq import lint
+    from utils.qat.core import yolov9
+    from utils.qat.onnx.onnx_export import export_onnx
+    from utils.qat.onnx.onnx_qdq import lint
     yaml_path = yolov9_tree / "models" / "segment" / f"{cfg}.yaml"
     if "dseg" in cfg and "class DualDSegment(" not in (yolov9_tree / "models" / "yolo.py").read_text():
         pytest.skip(f"{cfg} needs DualDSegment from upstream models/yolo.py, which this YOLOv9 tree lacks")
@@ -469,6 +469,6 @@ def test_lint_clean_on_segmentation_models(yolov9_tree, shared, cfg, tmp_path):
     assert report["stats"]["quantized_conv"] >= report["stats"]["conv"] - 2  # only DFL convs stay FP
     import onnx
     assert [o.name for o in onnx.load(str(out)).graph.output] == ["output0", "output1"]
-    from utils.qat.backends import TorchBackend
+    from utils.qat.evaluation.backends import TorchBackend
     pred, protos = TorchBackend(qmodel, torch.device("cpu"), task="segment")(x)  # what the evaluator reads
     assert pred.shape[:2] == (1, 4 + 80 + 32) and protos.shape == (1, 32, 16, 16)

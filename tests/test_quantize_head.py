@@ -22,7 +22,7 @@ def images(shared):
 @pytest.fixture(scope="module")
 def calibrated(yolov9_tree, images):
     from utils.qat.quantize.model_quant import QuantConfig, quantize
-    from utils.qat import checkpoint
+    from utils.qat.model import checkpoint
     return quantize(checkpoint.load_fp(QS), [images], QuantConfig(method="max", head_amax="calibrated"))
 
 
@@ -63,7 +63,7 @@ def test_search_lowers_the_head_loss_and_touches_only_head_scales(calibrated, im
 
 def test_head_in_fp_has_nothing_to_search(yolov9_tree, images, capsys):
     from utils.qat.quantize.model_quant import QuantConfig, quantize
-    from utils.qat import checkpoint
+    from utils.qat.model import checkpoint
     fp = checkpoint.load_fp(QS)
     qmodel, info = quantize(fp, [images], QuantConfig(method="max", skip=(str(len(fp.model) - 1),), head_amax="search"))
     assert "the head has no activation scale of its own to search" in capsys.readouterr().out
@@ -75,7 +75,7 @@ def test_the_default_searches_and_records_its_choice(yolov9_tree, images, capsys
     checkpoints and report.json), the factors being the ones the amax moved by."""
     from utils.qat.quantize.model_quant import QuantConfig, quantize
     from utils.qat.quantize.config import QuantInfo
-    from utils.qat import checkpoint
+    from utils.qat.model import checkpoint
     fp = checkpoint.load_fp(QS)
     plain, _ = quantize(fp, [images], QuantConfig(method="max", head_amax="calibrated"))
     qmodel, info = quantize(fp, [images], QuantConfig(method="max"))
@@ -90,7 +90,7 @@ def test_the_default_searches_and_records_its_choice(yolov9_tree, images, capsys
 
 def test_config_checks_and_records_the_choice():
     from utils.qat.quantize.config import QuantConfig, QuantInfo
-    from utils.qat.errors import QATError
+    from utils.qat.core.errors import QATError
     with pytest.raises(QATError, match="--head-amax"):
         QuantConfig(head_amax="learned")
     info = QuantInfo(QuantConfig(head_amax="search"))

@@ -70,7 +70,7 @@ def calibrate_bn(model: nn.Module, images: torch.Tensor) -> nn.Module:
 
 def training_model(tree: Path, cfg: str, images: torch.Tensor, nc: int | None = None, seed: int = 0) -> nn.Module:
     if "segment" in cfg:
-        from utils.qat import yolov9
+        from utils.qat.core import yolov9
         model = reinit(yolov9.build(tree / cfg, nc, task="segment"), seed)
         model.names = {i: f"class{i}" for i in range(model.yaml["nc"])}
     else:
@@ -220,7 +220,7 @@ def _meta_model(tree: Path, cfg: str) -> nn.Module:
 def test_derived_layer_map_agrees_with_upstream_notebook(yolov9_tree, size):
     """The graph-derived map equals what upstream's tools/reparameterization.ipynb hard-codes per size."""
     needs(yolov9_tree, size)
-    from utils.qat.reparam import build_layer_map, build_state_map
+    from utils.qat.model.reparam import build_layer_map, build_state_map
     dual = _meta_model(yolov9_tree, f"models/detect/yolov9-{size}.yaml")
     gelan = _meta_model(yolov9_tree, f"models/detect/gelan-{size}.yaml")
     got = build_layer_map(dual, gelan)
@@ -429,7 +429,7 @@ def test_upstream_val_runs_on_the_converted_model(yolov9_tree, converted, small_
     project = tmp_path / "runs"
     code = UPSTREAM_LOADS_PICKLES + f"""
 import sys
-from utils.qat import compat
+from utils.qat.core import compat
 compat.apply()
 sys.argv = ["val.py", "--data", {str(small_data)!r}, "--weights", {str(conv.out)!r}, "--img", "160",
             "--batch", "8", "--device", "cpu", "--workers", "0", "--project", {str(project)!r}, "--name", "val"]

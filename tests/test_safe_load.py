@@ -1,4 +1,4 @@
-"""A checkpoint never runs code while it is loaded (utils/qat/safe_load.py).
+"""A checkpoint never runs code while it is loaded (utils/qat/model/safe_load.py).
 
 Payloads written the way an attacker writes them (``__reduce__`` calling os.system, builtins.eval, subprocess.Popen,
 each touching a marker file), on their own, hidden in ``opt`` of an otherwise genuine training checkpoint, and in a
@@ -89,9 +89,10 @@ def no_payload_ran(markers: Path) -> None:
 def genuine(yolov9_tree, tmp_path_factory, gelan_c) -> dict[str, Path]:
     """Every genuine kind, by name: train.py checkpoints (FP16, FP32, stripped), a dual-head and a segmentation
     training checkpoint, a converted GELAN (reparameterization's writer), a quantized one, the reference weights."""
-    from utils.qat import checkpoint, yolov9
+    from utils.qat.core import yolov9
+    from utils.qat.model import checkpoint
     from utils.qat.quantize.model_quant import QuantConfig, quantize
-    from utils.qat.reparam import save_checkpoint
+    from utils.qat.model.reparam import save_checkpoint
     d = tmp_path_factory.mktemp("genuine")
     det, dual = build(TINY_GELAN), build(DUAL_CFG)
     seg = yolov9.build(SEG_CFG, task="segment")
@@ -141,9 +142,9 @@ def test_genuine_kinds_load_without_the_flag_in_a_fresh_process(yolov9_tree, gen
     model rebuilt."""
     script = textwrap.dedent("""
         import json, sys, types
-        from utils.qat import compat
+        from utils.qat.core import compat
         compat.apply()
-        from utils.qat import checkpoint
+        from utils.qat.model import checkpoint
         out = {}
         for name, path in json.loads(sys.argv[1]).items():
             ckpt = checkpoint.read(path)
@@ -173,8 +174,8 @@ def test_genuine_kinds_load_without_the_flag_in_a_fresh_process(yolov9_tree, gen
 
 @pytest.mark.parametrize("kind", PAYLOADS)
 def test_each_payload_is_refused_before_it_runs(yolov9_tree, payloads, markers, kind):
-    from utils.qat import safe_load
-    from utils.qat.errors import QATError
+    from utils.qat.model import safe_load
+    from utils.qat.core.errors import QATError
     for where in ("alone", "opt", "modelopt state"):
         path, name = payloads[f"{kind} in {where}"]
         with pytest.raises(QATError) as e:
@@ -209,7 +210,7 @@ COMMANDS = {
 
 def command_error(tree: Path, command: str, weights: Path, data: Path, cwd: Path) -> str:
     """The QATError sentence ``command`` fails with on ``weights`` (in this process, from ``cwd``)."""
-    from utils.qat.errors import QATError
+    from utils.qat.core.errors import QATError
     tool, line = COMMANDS[command]
     args = [{"W": str(weights), "D": str(data)}.get(a, a) for a in line.split()]
     if tool.endswith(".py"):
@@ -274,8 +275,8 @@ def test_trust_weights_loads_an_unknown_harmless_class(yolov9_tree, harmless, tm
 def test_only_the_trees_model_classes_are_allowed_and_a_forks_blocks_join(yolov9_tree, markers, tmp_path):
     """The allow-list comes from the modules: a block a fork adds in models/ loads; a class elsewhere does not; a
     callable that runs code stays refused even when offered to the allow-list (the denylist, second guard)."""
-    from utils.qat import safe_load
-    from utils.qat.errors import QATError
+    from utils.qat.model import safe_load
+    from utils.qat.core.errors import QATError
     fork = types.ModuleType("models.fork_blocks")
     fork.Block = type("Block", (torch.nn.Conv2d,), {"__module__": "models.fork_blocks"})
     fork.Helper = type("Helper", (), {"__module__": "models.fork_blocks"})  # not a layer: not allowed
@@ -302,8 +303,8 @@ def test_getattr_is_a_method_lookup_only_and_other_pickles_are_refused(yolov9_tr
     """builtins.getattr on anything but a public method of an allowed class, and a pickle with opcodes torch.save
     never writes (protocol 4's STACK_GLOBAL), are refused before any call."""
     import models.common
-    from utils.qat import safe_load
-    from utils.qat.errors import QATError
+    from utils.qat.model import safe_load
+    from utils.qat.core.errors import QATError
 
     class Reach:
         def __reduce__(self):

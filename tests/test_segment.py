@@ -71,7 +71,7 @@ def test_polygons_are_exact():
 
 
 def test_segment_dataset_files(seg_shapes):
-    from utils.qat.data import check_polygons, load_data_yaml
+    from utils.qat.evaluation.data import check_polygons, load_data_yaml
     data = load_data_yaml(seg_shapes, splits=("train", "val"))
     check_polygons(data, ("train", "val"))
     header = seg_shapes.read_text().splitlines()[0]
@@ -82,8 +82,8 @@ def test_segment_dataset_files(seg_shapes):
 
 
 def test_box_labels_refused_for_segmentation(box_shapes):
-    from utils.qat.data import check_polygons, load_data_yaml
-    from utils.qat.errors import QATError
+    from utils.qat.evaluation.data import check_polygons, load_data_yaml
+    from utils.qat.core.errors import QATError
     with pytest.raises(QATError, match=r"box labels \(class x y w h\) and no polygons.*polygon labels"):
         check_polygons(load_data_yaml(box_shapes))
 
@@ -91,7 +91,7 @@ def test_box_labels_refused_for_segmentation(box_shapes):
 # ---- evaluator ----------------------------------------------------------------------------------------
 
 def test_paste_masks_fills_its_box():
-    from utils.qat.evaluate_seg import paste_masks
+    from utils.qat.evaluation.evaluate_seg import paste_masks
     boxes = torch.tensor([[10.0, 20.0, 30.0, 25.0], [0.0, 0.0, 64.0, 64.0]])
     masks = torch.ones(2, 8, 8)
     masks[1, :, 4:] = 0  # right half off
@@ -105,7 +105,7 @@ def test_paste_masks_fills_its_box():
 def test_match_equals_upstream_process_batch():
     """Our matching (boxes and masks, every task) gives upstream val.py's correct-matrix on boxes."""
     from utils.metrics import box_iou
-    from utils.qat.detect import match
+    from utils.qat.evaluation.detect import match
     from val import process_batch
     g = torch.Generator().manual_seed(0)
     iouv = torch.linspace(0.5, 0.95, 10)
@@ -127,14 +127,14 @@ def test_evaluator_equals_upstream_segment_val(yolov9_tree, seg_shapes, tmp_path
     script = UPSTREAM_LOADS_PICKLES + f"""
 import json, sys
 sys.argv = ['segment/val.py']
-from utils.qat import compat; compat.apply()
+from utils.qat.core import compat; compat.apply()
 import torch
 sys.path.insert(0, 'segment')
 import val as seg_val
-from utils.qat import checkpoint
-from utils.qat.backends import TorchBackend
-from utils.qat.data import load_data_yaml
-from utils.qat.evaluate import evaluate
+from utils.qat.model import checkpoint
+from utils.qat.evaluation.backends import TorchBackend
+from utils.qat.evaluation.data import load_data_yaml
+from utils.qat.evaluation.evaluate import evaluate
 up = seg_val.run(data={str(seg_shapes)!r}, weights={str(SEG)!r}, imgsz=256, batch_size=8, device='cpu', iou_thres=0.7,
                  workers=2, plots=False, half=False)[0][:8]
 m = checkpoint.load_fp({str(SEG)!r}, task='segment')

@@ -1,4 +1,4 @@
-"""utils/qat/trt_engine.py (engine builder, TRTBackend) tested against a FAKE ``tensorrt`` module.
+"""utils/qat/trt/trt_engine.py (engine builder, TRTBackend) tested against a FAKE ``tensorrt`` module.
 
 TensorRT cannot be installed in this workplace (its libraries download from a host we cannot reach
 and there is no NVIDIA GPU here), so NONE OF THE REAL TensorRT CALLS RUN IN THESE TESTS: the TensorRT
@@ -38,8 +38,8 @@ if str(REPO) not in sys.path:  # `python3 -m pytest` from the repository root ha
     sys.path.append(str(REPO))
 
 from fake_tensorrt import (STD_PLUGINS, VERSIONED_API, FakeMisuse, available, make_fake_trt, vt)  # noqa: E402
-from utils.qat import engine_graph, trt_common, trt_engine  # noqa: E402
-from utils.qat.errors import QATError  # noqa: E402
+from utils.qat.trt import engine_graph, trt_common, trt_engine  # noqa: E402
+from utils.qat.core.errors import QATError  # noqa: E402
 
 
 # ============================================================================= helpers
@@ -382,11 +382,11 @@ def test_backend_missing_engine_and_no_gpu(tmp_path, fake_trt, monkeypatch):
 
 
 def test_open_backend_opens_an_engine_as_a_backend(tmp_path, fake_trt, monkeypatch):
-    """utils.qat.backends.open_backend picks TensorRT for .engine (or kind='tensorrt'), and what it returns has
+    """utils.qat.evaluation.backends.open_backend picks TensorRT for .engine (or kind='tensorrt'), and what it returns has
     every attribute of the Backend protocol that the evaluator reads."""
     from typing import get_type_hints
 
-    from utils.qat.backends import Backend, open_backend
+    from utils.qat.evaluation.backends import Backend, open_backend
     engine = _engine(tmp_path, fake_trt, kind="segment")
     monkeypatch.setattr(trt_engine, "TRTBackend", CPUBackend)  # open_backend imports it when called
     be = open_backend(engine)
@@ -695,7 +695,7 @@ def test_fake_parser_rejects_what_tensorrt_rejects(tmp_path, fake_trt, case, mat
 
 def test_end2end_options_stay_inside_tensorrt_limits():
     """The export refuses what the fake parser (and TensorRT) would: iou_threshold 0 with the plugin, K >= 3840."""
-    from utils.qat.end2end import MAX_TOPK, NMSOptions
+    from utils.qat.onnx.end2end import MAX_TOPK, NMSOptions
     assert MAX_TOPK == 3839 and NMSOptions().backend == "onnx"
     with pytest.raises(QATError, match=r"--iou-thres must be above 0 .* --nms trt"):
         NMSOptions(backend="trt", iou_thres=0.0).check()

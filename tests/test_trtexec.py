@@ -20,8 +20,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `python3 -m pytest` from the repository root has it already
     sys.path.append(str(REPO))
 
-from utils.qat import bench_report, trt_common, trtexec  # noqa: E402
-from utils.qat.errors import QATError  # noqa: E402
+from utils.qat.trt import bench_report, trt_common, trtexec  # noqa: E402
+from utils.qat.core.errors import QATError  # noqa: E402
 
 DATA = REPO / "tests" / "data" / "trtexec"
 NO_TRTEXEC = shutil.which("trtexec") is None and not any(

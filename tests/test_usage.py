@@ -103,7 +103,7 @@ def reference_tree(yolov9_tree, tmp_path_factory):
     shutil.copyfile(QS, tree / "yolov9-c-converted.pt")
     from helpers import real_images
     from utils.qat.quantize.model_quant import QuantConfig, quantize
-    from utils.qat import checkpoint
+    from utils.qat.model import checkpoint
     fp = checkpoint.load_fp(QS)
     # a quick PTQ stands in for the reference's quantize run
     qmodel, info = quantize(fp, [real_images(root / "shapes" / "images" / "train", 8, 128)],
@@ -138,7 +138,7 @@ def test_default_data_without_coco_says_how_to_get_it(yolov9_tree, tmp_path, cap
 def test_hyp_by_bare_name(yolov9_tree, monkeypatch, tmp_path, capsys):
     """`--hyp hyp.scratch-high.yaml`, as the reference's README types it, is the tree's data/hyps file, and so is
     the default `data/hyps/...` from another folder; `none` is no augmentation."""
-    from utils.qat.data import hyp_argument, load_hyp
+    from utils.qat.evaluation.data import hyp_argument, load_hyp
     monkeypatch.chdir(tmp_path)
     assert load_hyp("hyp.scratch-high.yaml")["lr0"] > 0
     shown, hyp = hyp_argument("hyp.scratch-high.yaml")

@@ -90,7 +90,7 @@ def test_choices_named(yolov9_tree, capsys, tool, args, flag):
 
 
 def test_range_sentences():
-    from utils.qat.validate import Range, check_value
+    from utils.qat.core.validate import Range, check_value
     assert str(Range(1)) == "at least 1" and str(Range(0, 1)) == "between 0 and 1"
     assert str(Range(0, 100, low_open=True)) == "greater than 0 and at most 100"
     assert str(Range(high=5, high_open=True)) == "less than 5"

@@ -1,4 +1,4 @@
-"""utils/qat/yolov9.py: what every YOLOv9 head returns, reduced to its main branch in one place; the head families.
+"""utils/qat/core/yolov9.py: what every YOLOv9 head returns, reduced to its main branch in one place; the head families.
 
 The forwards are written out as upstream models/yolo.py returns them (shapes made small), so every family is
 covered without building a model; tests/test_reparam.py and tests/test_export.py run the real heads.
@@ -17,8 +17,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `python3 -m pytest` from the repository root has it already
     sys.path.append(str(REPO))
 
-from utils.qat import yolov9  # noqa: E402
-from utils.qat.errors import QATError  # noqa: E402
+from utils.qat.core import yolov9  # noqa: E402
+from utils.qat.core.errors import QATError  # noqa: E402
 
 B, NC, NM, A = 2, 3, 4, 5
 AUX, MAIN, PROTOS = torch.zeros(B, 4 + NC, A), torch.ones(B, 4 + NC, A), torch.full((B, NM, 8, 8), 2.0)

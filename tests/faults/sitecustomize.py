@@ -5,7 +5,7 @@ It changes nothing by default. With YOLOV9_QAT_TEST_PAUSE set, the process stops
   calibration  the first forward pass of a quantized module (calibration: Origin runs the FP model)
   finetune     the first optimizer step of QAT fine-tuning (torch's global step pre-hook)
   checkpoint   the first file completed under a weights/ folder, after its bytes are written and before it
-               is linked into place (the fsync of utils/qat/atomic.py)
+               is linked into place (the fsync of utils/qat/core/atomic.py)
 SIGUSR1 then prints every thread's stack (for a run that does not end after its signal).
 With YOLOV9_QAT_TEST_ENOSPC=1 that fsync fails with ENOSPC instead (a full disk, where no small tmpfs can be
 mounted for the test).

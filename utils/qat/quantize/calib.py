@@ -30,9 +30,9 @@ from utils.qat.quantize.head import SEARCH_BATCHES, search_head_amax
 from utils.qat.quantize.image_hist import ImageHistograms
 from utils.qat.quantize.mse import mse_amax
 from utils.qat.quantize.state import amax_state, amax_vector, collecting, enabled_quantizers, load_amax, quantizers_off
-from utils.qat import distributed
-from utils.qat.errors import QATError
-from utils.qat.progress import progress
+from utils.qat.core import distributed
+from utils.qat.core.errors import QATError
+from utils.qat.core.progress import progress
 
 
 @torch.no_grad()

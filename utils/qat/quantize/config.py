@@ -5,13 +5,13 @@
 
 qat.py's argument parser needs the methods and defaults; importing modelopt starts CUDA (it asks
 ``torch.cuda.is_available()``), and in a multi-GPU run CUDA must not start before ``--device`` has narrowed
-CUDA_VISIBLE_DEVICES (``utils/qat/device.py``). tests/test_quantize.py checks this module stays light.
+CUDA_VISIBLE_DEVICES (``utils/qat/core/device.py``). tests/test_quantize.py checks this module stays light.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from utils.qat.errors import QATError
+from utils.qat.core.errors import QATError
 
 CALIB_METHODS = ("max", "percentile", "mse", "entropy", "mse-image")  # mse-image: every image weighs alike
 DEFAULT_CALIB_METHOD = "mse"  # detection models

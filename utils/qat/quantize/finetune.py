@@ -19,9 +19,9 @@ import torch
 import torch.nn as nn
 
 from utils.qat.quantize import objectives
-from utils.qat import distributed
-from utils.qat.errors import QATError
-from utils.qat.progress import progress
+from utils.qat.core import distributed
+from utils.qat.core.errors import QATError
+from utils.qat.core.progress import progress
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
 

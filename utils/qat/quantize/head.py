@@ -24,7 +24,7 @@ from torch import nn
 
 from utils.qat.quantize.rules import input_quantizers
 from utils.qat.quantize.state import enabled_quantizers, quantizers_off
-from utils.qat.progress import progress
+from utils.qat.core.progress import progress
 
 FACTORS = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5)
 SEARCH_BATCHES = 4

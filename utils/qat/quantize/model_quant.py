@@ -31,7 +31,7 @@ from utils.qat.quantize import rules
 from utils.qat.quantize.calib import calibrate
 from utils.qat.quantize.config import QuantConfig, QuantInfo
 from utils.qat.quantize.qdq import use_qdq_rounding
-from utils.qat.errors import QATError
+from utils.qat.core.errors import QATError
 
 __all__ = ["QuantConfig", "QuantInfo", "calibrate", "fuse", "is_quantized", "prepare", "quantize"]
 

@@ -38,7 +38,7 @@ TERMS = ("head", "features", "task", "mse")
 
 def parse(objective: str) -> list[str]:
     """``"task+head"`` -> ``["task", "head"]``, checked against the known terms."""
-    from utils.qat.errors import QATError
+    from utils.qat.core.errors import QATError
     terms = [t.strip() for t in objective.split("+")]
     if objective not in OBJECTIVES or any(t not in TERMS for t in terms):
         raise QATError(f"--qat-loss {objective} is not a QAT objective; choose one of {', '.join(OBJECTIVES)}.")
@@ -119,7 +119,7 @@ DEFAULT_HYP = {"box": 7.5, "cls": 0.5, "dfl": 1.5, "cls_pw": 1.0, "obj_pw": 1.0,
 def task_loss_fn(model: nn.Module, hyp: dict | None):
     """Upstream's loss for the model's head, as its train.py builds it. Returns ``f(out, targets, masks)``
     giving the loss averaged per image."""
-    from utils.qat.errors import QATError
+    from utils.qat.core.errors import QATError
     head = type(head_of(model)).__name__
     model.hyp = {**DEFAULT_HYP, **(hyp or {})}
     if head in ("Segment", "DSegment", "DualDSegment"):

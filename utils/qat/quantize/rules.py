@@ -27,7 +27,7 @@ import modelopt.torch.quantization as mtq
 from modelopt.torch.quantization.nn import QuantModuleRegistry, TensorQuantizer
 
 from models import common
-from utils.qat.errors import QATError
+from utils.qat.core.errors import QATError
 
 ACTIVATION = {"num_bits": 8, "axis": None}  # per tensor, symmetric (zero point 0)
 WEIGHT = {"num_bits": 8, "axis": 0}  # per output channel

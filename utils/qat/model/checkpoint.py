@@ -1,0 +1,128 @@
+"""Reading FP checkpoints (upstream format) and writing/reading quantized ones.
+
+A quantized model cannot be pickled whole (modelopt's dynamic modules), so its checkpoint carries
+what is needed to rebuild it in a fresh process with nothing but the patched tree: the model yaml,
+class names, stride, modelopt state, state dict, the quantization record (``QuantInfo``: the calibration
+settings, the layers kept in FP, the shared-scale groups), the arguments of the run that made it, the
+toolkit version and ``provenance`` (the sha256 of the weights it was made from, the toolkit's version and commit).
+"""
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from utils.qat import __version__
+from utils.qat.core import provenance, yolov9
+from utils.qat.model import safe_load
+from utils.qat.core.atomic import write_bytes
+from utils.qat.core.errors import QATError
+
+FORMAT = "yolov9-qat"
+
+
+def read(path: str | os.PathLike, trust: bool = False) -> dict:
+    """Load a checkpoint file the user named, with a clear error for missing or foreign files. Nothing in it runs
+    (``utils.qat.model.safe_load``) unless ``trust`` (``--trust-weights``): then it is read with the full pickle."""
+    path = Path(path)
+    if not path.is_file():
+        raise QATError(f"weights file not found: {path}; pass the path of a .pt checkpoint.")
+    ckpt = safe_load.load(path, trust=trust)
+    if not isinstance(ckpt, dict) or not (ckpt.get("format") == FORMAT or isinstance(ckpt.get("ema") or ckpt.get("model"), nn.Module)):
+        raise QATError(f"{path} is not a YOLOv9 checkpoint (no 'model' inside); pass a YOLOv9 .pt file.")
+    return ckpt
+
+
+def is_quantized(ckpt: dict) -> bool:
+    return ckpt.get("format") == FORMAT
+
+
+def task_of(ckpt: dict) -> str:
+    if is_quantized(ckpt):
+        return ckpt.get("task", "detect")
+    return yolov9.task_of_model(ckpt.get("ema") or ckpt["model"])
+
+
+def check_task(ckpt: dict, path, task: str) -> None:
+    have = task_of(ckpt)
+    if have == task:
+        return
+    hint = {"segment": "use segment/qat_seg.py for segmentation models",
+            "detect": "use qat.py for detection models",
+            "classify": "classification models are not supported by yolov9-qat"}.get(have, "pass a detection model")
+    raise QATError(f"{path} holds a {have} model but this command needs a {task} model; {hint}.")
+
+
+def load_fp(path: str | os.PathLike, task: str = "detect", ckpt: dict | None = None, trust: bool = False) -> nn.Module:
+    """The FP model of an upstream checkpoint (EMA weights when present), float32, eval mode.
+    ``ckpt``: the checkpoint if it was already read (saves reading the file twice); ``trust``: as :func:`read`."""
+    ckpt = read(path, trust) if ckpt is None else ckpt
+    if is_quantized(ckpt):
+        raise QATError(f"{path} is a quantized (yolov9-qat) checkpoint but this step needs the floating-point "
+                       "model; pass the original weights (e.g. yolov9-c-converted.pt).")
+    check_task(ckpt, path, task)
+    model = (ckpt.get("ema") or ckpt["model"]).float().eval()
+    if not hasattr(model, "names") or not model.names:
+        model.names = ckpt.get("names") or {i: str(i) for i in range(int(model.nc))}
+    if isinstance(model.names, (list, tuple)):
+        model.names = dict(enumerate(model.names))
+    return model
+
+
+def save_quantized(path: str | os.PathLike, model: nn.Module, info, *, epoch: int | None = None,
+                   metrics: dict | None = None, task: str = "detect", arguments: dict | None = None,
+                   source: dict | None = None) -> Path:
+    """Write a quantized checkpoint atomically. ``info``: its ``QuantInfo``; ``arguments``: what the run that
+    made it was given (stored as ``args``); ``source``: ``provenance.record(weights)`` of the weights it was made
+    from (stored as ``provenance``; without it, the toolkit's version and commit alone)."""
+    import modelopt.torch.opt as mto
+    ckpt = {
+        "format": FORMAT,
+        "version": __version__,
+        "task": task,
+        "yaml": model.yaml,
+        "nc": int(model.nc) if hasattr(model, "nc") else int(model.yaml["nc"]),
+        "names": dict(model.names),
+        "stride": model.stride.tolist(),
+        "modelopt_state": mto.modelopt_state(model),
+        "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+        "quant": info.to_dict(),
+        "args": arguments or {},
+        "epoch": epoch,
+        "metrics": metrics or {},
+        "provenance": source or provenance.record(),
+    }
+    buffer = io.BytesIO()  # serialised first: a full disk then fails in a plain write, with its errno
+    torch.save(ckpt, buffer)
+    return write_bytes(path, buffer.getbuffer())
+
+
+def rebuild(ckpt: dict) -> nn.Module:
+    """A fused FP model built from the checkpoint's yaml, matching the quantized model's structure."""
+    from utils.qat.quantize.model_quant import fuse
+    return fuse(yolov9.build(ckpt["yaml"], ckpt["nc"], task=ckpt.get("task", "detect")).float())
+
+
+def load_quantized(path: str | os.PathLike, task: str = "detect", ckpt: dict | None = None, trust: bool = False):
+    """Rebuild a quantized model in this process. Returns ``(model, QuantInfo, ckpt)``; ``trust``: as :func:`read`."""
+    import modelopt.torch.opt as mto
+
+    from utils.qat.quantize import rules
+    from utils.qat.quantize.config import QuantInfo
+    from utils.qat.quantize.qdq import use_qdq_rounding
+    ckpt = read(path, trust) if ckpt is None else ckpt
+    if not is_quantized(ckpt):
+        raise QATError(f"{path} is a floating-point checkpoint, not a quantized one; run `qat.py quantize` "
+                       "first, or pass --allow-fp to evaluate it as it is.")
+    check_task(ckpt, path, task)
+    model = rebuild(ckpt)
+    rules.register_yolov9_modules()
+    model = use_qdq_rounding(mto.restore_from_modelopt_state(model, ckpt["modelopt_state"]))
+    model.load_state_dict(ckpt["state_dict"])
+    model.names = dict(ckpt["names"])
+    model.stride = torch.tensor(ckpt["stride"], dtype=torch.float32)
+    info = QuantInfo.from_dict(ckpt["quant"])
+    return model.eval(), info, ckpt

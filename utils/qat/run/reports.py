@@ -1,0 +1,203 @@
+"""Results people can read: report.json, a markdown table, the console table and plots."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from utils.qat.core.atomic import PARTIAL, atomic_file, write_text
+
+if TYPE_CHECKING:
+    from utils.qat.evaluation.evaluate import Metrics
+
+#: Report keys of the primary scores (``evaluate.Scores`` field -> key; the reference README's naming, which
+#: report.json and results.json keep: AP is mAP50_95).
+KEYS = {"mAP50_95": "AP", "mAP50": "AP50", "P": "Precision", "R": "Recall"}
+#: Keys inside the Box / Mask groups of segmentation rows.
+GROUP_KEYS = {"P": "P", "R": "R", "mAP50": "mAP50", "mAP50_95": "mAP50-95"}
+COLUMNS = tuple(KEYS.values())
+SEG_GROUPS = ("Box", "Mask")
+SEG_COLUMNS = tuple(GROUP_KEYS.values())
+
+
+def run_dir(project: str | Path, name: str, exist_ok: bool) -> Path:
+    """``project/name``, incremented (name2, name3, ...) unless ``exist_ok``, as upstream does; created."""
+    from utils.general import increment_path
+    from utils.qat.core.errors import QATError
+    path = Path(increment_path(Path(project) / name, exist_ok=exist_ok))
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise QATError(f"cannot create the results folder {path} ({e.strerror or e}); pass a writable --project.") from e
+    return path
+
+
+def previous_run(run_dir: Path, stem: str) -> list[Path]:
+    """The files ``qat.py quantize`` of the weights ``stem`` wrote in ``run_dir``: its reports, checkpoints
+    (``ptq_*``, ``qat_ep_*``, ``qat_best_*``) and any temporary file a killed run left behind."""
+    run_dir, weights = Path(run_dir), Path(run_dir) / "weights"
+    files = [run_dir / n for n in ("report.json", "report.md", "qat_ap.png")]
+    for pattern in (f"ptq_ap_*_{stem}.pt", f"ptq_{stem}.pt", f"qat_ep_*_ap_*_{stem}.pt", f"qat_best_{stem}.pt",
+                    PARTIAL):
+        files += sorted(weights.glob(pattern))
+    return [p for p in files + sorted(run_dir.glob(PARTIAL)) if p.is_file()]
+
+
+def replace_previous_run(run_dir: Path, stem: str) -> None:
+    """Remove what an earlier quantize of the same weights left in a reused run folder (``--exist-ok``), so
+    that report.json and the checkpoints present always belong to one run."""
+    old = previous_run(run_dir, stem)
+    for p in old:
+        p.unlink(missing_ok=True)
+    if old:
+        print(f"notice: {run_dir} held an earlier run of {stem} (--exist-ok): removed its {len(old)} files "
+              f"({', '.join(p.name for p in old[:4])}{', ...' if len(old) > 4 else ''}).")
+
+
+def entry(name: str, weights: str | Path | None, metrics: Metrics, seconds: float, **extra) -> dict:
+    """One evaluated model: the primary scores under :data:`KEYS` (AP is mAP50_95, AP50 mAP50).
+
+    Segmentation metrics (with ``mask``) add ``Box`` and ``Mask`` groups of P, R, mAP50 and mAP50-95;
+    AP / AP50 / Precision / Recall are then the mask numbers, the ones that rank models."""
+    row = {"name": name, "weights": str(weights) if weights else None,
+           **{key: round(getattr(metrics.primary, f), 4) for f, key in KEYS.items()},
+           "images": metrics.images, "seconds": round(seconds, 1)}
+    if metrics.mask is not None:
+        for group, scores in zip(SEG_GROUPS, (metrics.box, metrics.mask)):
+            row[group] = {key: round(getattr(scores, f), 4) for f, key in GROUP_KEYS.items()}
+    return {**row, **extra}
+
+
+def per_class(metrics: Metrics) -> dict:
+    """mAP50_95 per class (``per_class``; segmentation: the mask's, and the box's in ``box_per_class``)."""
+    out = {"per_class": metrics.primary.per_class}
+    if metrics.mask is not None:
+        out["box_per_class"] = metrics.box.per_class
+    return out
+
+
+def _cell(value) -> str:
+    return f"{value:.4f}" if isinstance(value, float) else str(value if value is not None else "")
+
+
+def table(rows: list[dict], columns=COLUMNS, first: str = "Model") -> str:
+    """A markdown table of ``rows`` (dicts with ``name`` and the columns). Segmentation rows (with Box and
+    Mask groups) get the two-level layout: a Box / Mask header over P, R, mAP50, mAP50-95 each."""
+    if rows and columns == COLUMNS and all("Box" in r for r in rows):
+        return seg_table(rows, first)
+    lines = [f"| {first} | " + " | ".join(columns) + " |", "|" + "---|" * (len(columns) + 1)]
+    for r in rows:
+        lines.append(f"| {r['name']} | " + " | ".join(_cell(r.get(c)) for c in columns) + " |")
+    return "\n".join(lines)
+
+
+def seg_table(rows: list[dict], first: str = "Model") -> str:
+    n = len(SEG_COLUMNS)
+    lines = [f"| {first} | " + " | ".join(" | ".join([g] + [""] * (n - 1)) for g in SEG_GROUPS) + " |",
+             "|" + "---|" * (n * len(SEG_GROUPS) + 1),
+             "| | " + " | ".join(list(SEG_COLUMNS) * len(SEG_GROUPS)) + " |"]
+    for r in rows:
+        cells = [_cell(r[g].get(c)) for g in SEG_GROUPS for c in SEG_COLUMNS]
+        lines.append(f"| {r['name']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def deltas(rows: list[dict], reference: str = "Origin") -> list[dict]:
+    """Rows 'X vs Origin' with signed differences, as in the reference README's comparison table."""
+    base = next((r for r in rows if r["name"] == reference), None)
+    if base is None:
+        return []
+    out = []
+    for r in rows:
+        if r is base:
+            continue
+        label = r["name"] if r["name"].startswith("INT8") else f"INT8 {r['name']}"
+        d = {"name": f"{label} vs {reference}"}
+        for c in COLUMNS:
+            d[c] = f"{r[c] - base[c]:+.4f}"
+        for g in SEG_GROUPS:
+            if g in r and g in base:
+                d[g] = {c: f"{r[g][c] - base[g][c]:+.4f}" for c in SEG_COLUMNS}
+        out.append(d)
+    return out
+
+
+def comparison_markdown(rows: list[dict], title: str) -> str:
+    parts = [f"# {title}", "", "## Evaluation results", "", table(rows)]
+    diff = deltas(rows)
+    if diff:
+        parts += ["", "## Evaluation comparison", "", table(diff, first="Comparison")]
+    return "\n".join(parts) + "\n"
+
+
+def write_report(run_dir: Path, rows: list[dict], epochs: list[dict], title: str, **meta) -> None:
+    """report.json + report.md (+ qat_ap.png when there are epochs), each written atomically. ``meta``
+    (e.g. world_size, calibration_seconds) goes into report.json beside the models and epochs."""
+    run_dir = Path(run_dir)
+    write_text(run_dir / "report.json", json.dumps({"title": title, **meta, "models": rows, "epochs": epochs}, indent=2))
+    write_text(run_dir / "report.md", comparison_markdown(rows, title))
+    if epochs:
+        plot_epochs(run_dir / "qat_ap.png", epochs, rows)
+
+
+def add_row(report_json: str | Path, row: dict) -> None:
+    """Add (or replace, by name) one evaluated model in a qat.py report and re-render its report.md."""
+    report_json = Path(report_json)
+    report = json.loads(report_json.read_text())
+    models = [r for r in report.pop("models") if r["name"] != row["name"]] + [row]
+    epochs, title = report.pop("epochs"), report.pop("title", "yolov9-qat")
+    write_report(report_json.parent, models, epochs, title, **report)
+
+
+def _pyplot():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_epochs(path: Path, epochs: list[dict], rows: list[dict]) -> None:
+    """AP per QAT epoch, with the Origin and PTQ levels as lines."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
+    seg = any("box_AP" in e for e in epochs)
+    shown = [e for e in epochs if e.get("AP") is not None]
+    ax.plot([e["epoch"] for e in shown], [e["AP"] for e in shown], "o-", color="tab:blue",
+            label="QAT (mask)" if seg else "QAT")
+    if seg:
+        ax.plot([e["epoch"] for e in shown], [e["box_AP"] for e in shown], "s-", color="tab:green", label="QAT (box)")
+    for r in rows:
+        if r["name"] in ("Origin", "PTQ"):
+            style = {"linestyle": "--" if r["name"] == "Origin" else ":",
+                     "color": "gray" if r["name"] == "Origin" else "tab:orange"}
+            ax.axhline(r["AP"], label=f"{r['name']} (mask)" if seg else r["name"], **style)
+            if seg and "Box" in r:
+                ax.axhline(r["Box"]["mAP50-95"], alpha=0.5, **style)
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("mAP50-95 (box and mask)" if seg else "mAP50-95")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    with atomic_file(path) as f:
+        fig.savefig(f, format="png")
+    plt.close(fig)
+
+
+def plot_sensitivity(path: Path, layers: list[dict], baseline: float | None, top: int = 20) -> None:
+    """Bar chart: AP with each layer kept in FP (the higher, the more that layer hurts when quantized)."""
+    plt = _pyplot()
+    shown = layers[:top]
+    fig, ax = plt.subplots(figsize=(max(6, 0.4 * len(shown)), 3.8), dpi=120)
+    ax.bar([str(l["layer"]) for l in shown], [l["AP"] for l in shown], color="tab:blue")
+    if baseline is not None:
+        ax.axhline(baseline, color="tab:orange", linestyle=":", label="all layers INT8 (PTQ)")
+        ax.legend()
+    lo = min([l["AP"] for l in shown] + ([baseline] if baseline is not None else []))
+    hi = max([l["AP"] for l in shown] + ([baseline] if baseline is not None else []))
+    ax.set_ylim(max(0.0, lo - 0.02), hi + 0.01)
+    ax.set_xlabel("layer kept in FP (model.model index)")
+    ax.set_ylabel("mAP50-95")
+    fig.tight_layout()
+    with atomic_file(path) as f:
+        fig.savefig(f, format="png")
+    plt.close(fig)

@@ -1,0 +1,133 @@
+"""The evaluating and writing side of a quantization run (rank 0 of a multi-GPU run, or the single process).
+
+    recorder = RunRecorder(out, "gelan-c.pt", score, arguments=vars(args), title=..., world_size=1)
+    qat(..., recorder=recorder)   # utils/qat/run/pipeline.py calls origin(), ptq(), epoch_end() and finish()
+
+It keeps the run folder ``out`` current after every stage: the checkpoints in ``out/weights`` (``ptq_*``,
+``qat_ep_*``, ``qat_best_*``), report.json / report.md / qat_ap.png, and prints the tables. report.json and
+every checkpoint record ``arguments``: everything the run was given (for the CLI, every flag's value), and
+``provenance``: the weights file and its sha256, the toolkit's version and commit (``utils.qat.core.provenance``).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from utils.qat.core import provenance
+from utils.qat.model import checkpoint
+from utils.qat.run import reports
+from utils.qat.core.atomic import copy_file
+
+if TYPE_CHECKING:
+    import torch.nn as nn
+
+    from utils.qat.quantize.config import QuantInfo
+    from utils.qat.quantize.finetune import EpochResult
+
+
+def ap_record(m: Any) -> dict:
+    """The AP numbers of one evaluation for report.json's epochs and the sensitivity table (segmentation:
+    the mask AP ranks, the box AP is kept beside it)."""
+    record = {"AP": round(m.mAP50_95, 4), "AP50": round(m.mAP50, 4)}
+    if m.mask is not None:
+        record.update(box_AP=round(m.box.mAP50_95, 4), box_AP50=round(m.box.mAP50, 4))
+    return record
+
+
+def print_table(rows: list[dict]) -> None:
+    """The evaluated models, then their differences from Origin (when it was evaluated)."""
+    print()
+    print(reports.table(rows))
+    diff = reports.deltas(rows)
+    if diff:
+        print()
+        print(reports.table(diff, first="Comparison"))
+
+
+class RunRecorder:
+    """The run folder of one quantization: ``out`` (created by the caller), the weights it started from
+    (``weights``: names the checkpoints), ``score`` (a ``utils.qat.run.pipeline.Evaluation``), the task of the
+    checkpoints, and ``arguments`` (JSON-able) recorded in report.json and in every checkpoint.
+    ``eval_origin`` / ``eval_ptq``: evaluate the FP / calibrated model (an unevaluated PTQ model is saved as
+    ``ptq_<weights>.pt`` and does not compete for ``qat_best``)."""
+
+    def __init__(self, out: Path, weights: str | Path, score: Callable[..., tuple[Any, float]], *,
+                 arguments: dict, task: str = "detect", title: str | None = None, world_size: int = 1,
+                 eval_origin: bool = True, eval_ptq: bool = True):
+        self.out, self.weights, self.score, self.task = Path(out), str(weights), score, task
+        self.arguments = dict(arguments)
+        self.eval_origin, self.eval_ptq = eval_origin, eval_ptq
+        self.wdir = self.out / "weights"
+        self.wdir.mkdir(exist_ok=True)
+        self.stem = Path(weights).stem
+        reports.replace_previous_run(self.out, self.stem)
+        self.title = title or f"yolov9-qat: {Path(weights).name}"
+        self.rows: list[dict] = []
+        self.epochs: list[dict] = []
+        self.source = provenance.record(weights)  # hashed once: every checkpoint of the run records it
+        self.meta: dict = {"world_size": world_size, "arguments": self.arguments, "provenance": self.source}
+        self.best_path = self.wdir / f"qat_best_{self.stem}.pt"
+        self.ptq_ap: float | None = None
+        self.best_ap: float | None = None
+        self.best_epoch, self.best_row = 0, None
+        self.finetuned = False
+
+    def save_report(self) -> None:
+        reports.write_report(self.out, self.rows, self.epochs, self.title, **self.meta)
+
+    def _save(self, path: Path, qmodel: nn.Module, info: QuantInfo, epoch: int, metrics: dict | None) -> None:
+        checkpoint.save_quantized(path, qmodel, info, epoch=epoch, metrics=metrics, task=self.task,
+                                  arguments=self.arguments, source=self.source)
+
+    def origin(self, fp: nn.Module) -> None:
+        if not self.eval_origin:
+            return
+        m, sec = self.score(fp, "Origin")
+        self.rows.append(reports.entry("Origin", self.weights, m, sec))
+        self.save_report()
+
+    def ptq(self, qmodel: nn.Module, info: QuantInfo, calibration_seconds: float, finetuning: bool) -> None:
+        self.meta["calibration_seconds"] = round(calibration_seconds, 1)
+        if info.head_search:
+            self.meta["head_search"] = info.head_search
+        self.finetuned = finetuning
+        if self.eval_ptq:
+            m, sec = self.score(qmodel, "PTQ")
+            self.ptq_ap = self.best_ap = m.mAP50_95
+            path = self.wdir / f"ptq_ap_{m.mAP50_95:.4f}_{self.stem}.pt"
+            self.rows.append(reports.entry("PTQ", path, m, sec, calib_method=info.config.method))
+        else:
+            path = self.wdir / f"ptq_{self.stem}.pt"
+        self._save(path, qmodel, info, 0, self.rows[-1] if self.ptq_ap is not None else None)
+        self.save_report()
+        print(f"PTQ model saved to {path}")
+        if self.ptq_ap is not None and finetuning:
+            copy_file(path, self.best_path)  # the starting point counts: fine-tuning must beat it
+
+    def epoch_end(self, qmodel: nn.Module, info: QuantInfo, result: EpochResult) -> None:
+        epoch = result.epoch + 1
+        m, sec = self.score(qmodel, f"QAT epoch {epoch}")
+        path = self.wdir / f"qat_ep_{epoch}_ap_{m.mAP50_95:.4f}_{self.stem}.pt"
+        row = reports.entry(f"QAT epoch {epoch}", path, m, sec)
+        self._save(path, qmodel, info, epoch, row)
+        self.epochs.append({"epoch": epoch, **ap_record(m), "loss": result.loss, "loss_terms": result.terms,
+                            "steps": result.steps, "train_seconds": round(result.seconds, 1), "weights": str(path)})
+        if self.best_ap is None or m.mAP50_95 > self.best_ap:
+            self.best_ap, self.best_epoch, self.best_row = m.mAP50_95, epoch, row
+            copy_file(path, self.best_path)
+        self.save_report()
+
+    def finish(self) -> Path:
+        if self.finetuned:
+            if self.best_row is not None:
+                self.rows.append({**self.best_row, "name": "QAT", "weights": str(self.best_path), "epoch": self.best_epoch})
+            elif self.ptq_ap is not None:
+                ptq_row = next(r for r in self.rows if r["name"] == "PTQ")
+                self.rows.append({**ptq_row, "name": "QAT", "weights": str(self.best_path), "epoch": 0,
+                                  "note": "no fine-tuning epoch beat the calibrated model; qat_best is the PTQ model"})
+            self.save_report()
+            print(f"best QAT model (epoch {self.best_epoch}) saved to {self.best_path}")
+        print_table(self.rows)
+        print(f"\nresults in {self.out}: report.md, report.json{', qat_ap.png' if self.epochs else ''}, weights/")
+        return self.out
