@@ -202,7 +202,7 @@ def test_real_tree_patch_twice_is_identical_and_uninstall_restores_it(upstream_s
 def test_real_tree_with_edits_collision_and_check(upstream_source, tmp_path):
     tree = copy_tree(upstream_source, tmp_path / "yolov9")
     compat = "utils/qat/core/compat.py"
-    (tree / "utils/qat").mkdir()
+    (tree / compat).parent.mkdir(parents=True)
     (tree / compat).write_text("# someone else's compat.py\n")
     before = snapshot(tree)
     proc = patch(tree)
