@@ -21,7 +21,7 @@ from conftest import REPO
 # The overlay's Python modules (what patch_yolov9.sh copies), by import name.
 MODULES = sorted(
     ".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
-    for pattern in ("*.py", "utils/qat/*.py", "utils/qat/quantize/*.py", "segment/*.py")
+    for pattern in ("*.py", "utils/qat/**/*.py", "segment/*.py")
     for p in REPO.glob(pattern))
 # Called in examples without being defined there: objects the caller brings, and the notation of the formula in
 # utils/qat/quantize/qdq.py's docstring (what fake_quant computes, written as math, not calls).
