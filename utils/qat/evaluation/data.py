@@ -164,7 +164,7 @@ def dataloader(data: dict, split: str, imgsz: int, batch_size: int, stride: int,
 
 @contextlib.contextmanager
 def _scan_reported_once() -> Iterator[None]:
-    """Upstream's dataset scan, reported through ``utils.progress`` while a dataset is built.
+    """Upstream's dataset scan, reported through ``utils.qat.core.progress`` while a dataset is built.
 
     Upstream shows a cached scan with a tqdm bar that it never closes (``tqdm(None, desc=..., initial=n)``): the
     bar is drawn when made and again when collected, so a log gets every "Scanning ... labels.cache" line twice,
