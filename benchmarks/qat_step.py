@@ -4,9 +4,10 @@ One step is the library's own (``utils.qat.quantize.finetune.QATStep``: teacher 
 backward, optimiser, learned amax, EMA) with the default ``QATConfig``, on random weights (re-initialised so
 activations stay O(1)) calibrated with ``max`` on the same random batches. For each model yaml and each
 implementation (``eager``: the reference operations, ``fused``: the compiled kernels of
-utils/qat/quantize/qdq_fused.py) it reports the median step time after ``--warmup`` steps (compilation included
-there), and the operations one step runs: ATen operator calls (CPU side) and, on CUDA, GPU kernels launched
-(torch.profiler, shapes not recorded). Writes OUT/qat_step.json and OUT/qat_step.md.
+utils/qat/quantize/qdq_fused.py, ``triton``: the hand-written kernels of utils/qat/quantize/qdq_triton.py, the
+reference on the CPU) it reports the median step time after ``--warmup`` steps (compilation included there),
+and the operations one step runs: ATen operator calls (CPU side) and, on CUDA, GPU kernels launched (torch.profiler,
+shapes not recorded). Writes OUT/qat_step.json and OUT/qat_step.md.
 
 Run from the top of a patched YOLOv9 tree:
 
@@ -43,6 +44,7 @@ from utils.qat.quantize.model_quant import QuantConfig, fuse, quantize  # noqa: 
 from utils.qat.quantize.state import enabled_quantizers  # noqa: E402
 
 SIZES = ("t", "s", "m", "c", "e")
+IMPLS = ("eager", "fused", "triton")
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -54,7 +56,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--steps", type=int, default=10, help="timed steps per model and implementation")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (the fused kernels compile here)")
-    p.add_argument("--impl", nargs="+", default=["eager", "fused"], choices=["eager", "fused"])
+    p.add_argument("--impl", nargs="+", default=["eager", "fused"], choices=IMPLS)
     p.add_argument("--out", default="runs/benchmark/qat_step")
     return p
 
@@ -117,8 +119,9 @@ def main(args: argparse.Namespace) -> dict:
         for impl in args.impl:
             row[impl] = measure(qmodel, teacher, batch, impl, args, device)
             print(f"{row['model']} {impl}: {row[impl]}", flush=True)
-        if "eager" in row and "fused" in row:
-            row["speedup"] = round(row["eager"]["seconds_per_step"] / row["fused"]["seconds_per_step"], 3)
+        for impl in ("fused", "triton"):  # eager's time over each faster candidate's
+            if "eager" in row and impl in row:
+                row[f"speedup_{impl}"] = round(row["eager"]["seconds_per_step"] / row[impl]["seconds_per_step"], 3)
         rows.append(row)
     doc = {"device": _device_name(device), "imgsz": args.imgsz, "batch_size": args.batch_size, "steps": args.steps,
            "warmup": args.warmup, "threads": torch.get_num_threads(), "torch": torch.__version__,
@@ -136,19 +139,21 @@ def _device_name(device: torch.device) -> str:
 
 
 def render(doc: dict) -> str:
-    impls = [i for i in ("eager", "fused") if any(i in r for r in doc["rows"])]
-    head = "| model | params (M) | quantizers | " + " | ".join(
-        f"{i} s/step | {i} ATen ops | {i} GPU kernels" for i in impls) + " | speed-up |"
+    impls = [i for i in IMPLS if any(i in r for r in doc["rows"])]
+    speedups = [i for i in impls if any(f"speedup_{i}" in r for r in doc["rows"])]
+    head = "| " + " | ".join(["model", "params (M)", "quantizers"]
+                             + [f"{i} {c}" for i in impls for c in ("s/step", "ATen ops", "GPU kernels")]
+                             + [f"speed-up {i}" for i in speedups]) + " |"
     lines = [f"## QAT step: {doc['device']}, {doc['imgsz']} px, batch {doc['batch_size']} (median of {doc['steps']} "
              f"steps after {doc['warmup']}; torch {doc['torch']}, {doc['threads']} threads)", "", head,
-             "|" + "---|" * (4 + 3 * len(impls))]
+             "|" + "---|" * (3 + 3 * len(impls) + len(speedups))]
     for r in doc["rows"]:
         cells = []
         for i in impls:
             m = r.get(i, {})
             cells += [f"{m.get('seconds_per_step', '')}", f"{m.get('aten_ops', '')}", f"{m.get('gpu_kernels') or '-'}"]
-        lines.append(f"| {r['model']} | {r['parameters_M']} | {r['quantizers']} | " + " | ".join(cells)
-                     + f" | {r.get('speedup', '-')} |")
+        cells += [f"{r.get(f'speedup_{i}', '-')}" for i in speedups]
+        lines.append(f"| {r['model']} | {r['parameters_M']} | {r['quantizers']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -29,6 +29,9 @@ module is the one place that touches it (``learned_amax``, ``amax_to_parameter``
 GPU kernels but costs more CPU per call than the operations it replaces, and a QAT step waits on the CPU: on an
 H100 at 640 px, batch 16, a step took 0.369 s fused against 0.290 s eager on GELAN-C, 0.487 s against 0.331 s on
 GELAN-S (benchmarks/results/qat-step-h100.md; on the CPU it is slower too).
+``implementation("triton")`` runs two hand-written Triton kernels instead (``utils/qat/quantize/qdq_triton.py``:
+one launch forward and one backward, with less CPU per call than the compiled ones; the reference where triton or
+the current CUDA device is missing).
 """
 from __future__ import annotations
 
@@ -38,14 +41,16 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
+from utils.qat.quantize import qdq_triton
 from utils.qat.quantize.qdq_fused import QDQFunction, divisor, flat_shapes
+from utils.qat.quantize.qdq_triton import QDQTriton
 
 if TYPE_CHECKING:
     from modelopt.torch.quantization.nn import TensorQuantizer
 
 
 BACKEND = "yolov9_qat_qdq"
-IMPLEMENTATIONS = ("auto", "eager", "fused")  # auto: eager, the fastest measured (module docstring)
+IMPLEMENTATIONS = ("auto", "eager", "fused", "triton")  # auto: eager, the fastest measured (module docstring)
 _implementation = ["auto"]
 
 
@@ -71,6 +76,15 @@ def implementation(name: str):
 def _fused(device: torch.device) -> bool:
     mode = _implementation[0]
     return mode == "fused"
+
+
+def _function(inputs: torch.Tensor, amax: torch.Tensor) -> type[torch.autograd.Function]:
+    """The autograd function that fake-quantizes ``inputs``: the implementation chosen, where it serves the call
+    (``triton`` needs triton and the current CUDA device, ``fused`` a layout it compiles for), else the reference."""
+    if _implementation[0] == "triton":
+        return QDQTriton if qdq_triton.usable(inputs, amax) else _QDQ
+    fused = _fused(inputs.device) and flat_shapes(inputs, amax) is not None
+    return QDQFunction if fused else _QDQ
 
 
 class _QDQ(torch.autograd.Function):
@@ -116,8 +130,7 @@ def fake_quant(inputs: torch.Tensor, quantizer) -> torch.Tensor:
                                  quantizer.trt_high_precision_dtype, True, None, axis)
     qmax = 2 ** (num_bits - 1 + int(unsigned)) - 1
     qmin = 0 if unsigned else (-qmax if narrow else -qmax - 1)
-    fused = _fused(inputs.device) and flat_shapes(inputs, amax) is not None
-    return (QDQFunction if fused else _QDQ).apply(inputs, amax, qmin, qmax)
+    return _function(inputs, amax).apply(inputs, amax, qmin, qmax)
 
 
 def register() -> None:
