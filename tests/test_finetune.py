@@ -44,7 +44,7 @@ def _export(module: torch.nn.Module, x: torch.Tensor) -> np.ndarray:
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU (where the quantizer runs the fused kernels)"))])
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (the quantizer on the device QAT runs on)"))])
 def test_qdq_rounding_is_quantize_linear_bit_for_bit(yolov9_tree, device):
     """A quantizer's PyTorch output equals ONNX Runtime's QuantizeLinear -> DequantizeLinear of the exported
     graph in every bit, rounding ties (x exactly half-way between two steps) included; modelopt's own

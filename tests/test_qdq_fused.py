@@ -8,7 +8,7 @@ import pytest
 import torch
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                 reason="needs a CUDA GPU (the fused path QAT runs)"))]
+                                                                 reason="needs a CUDA GPU (the device QAT runs on)"))]
 
 
 def _inputs(shape, amax: torch.Tensor, dtype, g: torch.Generator) -> torch.Tensor:
