@@ -61,14 +61,17 @@ def test_fused_fake_quant_is_the_eager_one_bit_for_bit(yolov9_tree, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_fake_quant_runs_eager_unless_asked(yolov9_tree, device):
-    """The default is the eager reference: the compiled kernels cost more CPU per call than they save (qdq.py)."""
-    from utils.qat.quantize import qdq
-    assert not qdq._fused(torch.device(device))
+def test_fake_quant_picks_triton_on_cuda_and_eager_elsewhere(yolov9_tree, device):
+    """The default (qdq.py): the Triton kernels on CUDA, the eager reference elsewhere; either can be forced, and the
+    compiled one only runs when asked."""
+    from utils.qat.quantize import qdq, qdq_triton
+    x, amax = torch.randn(4, 8, device=device), torch.tensor(1.0, device=device)
+    triton_here = device == "cuda" and qdq_triton.usable(x, amax)
+    assert qdq._function(x, amax) is (qdq.QDQTriton if triton_here else qdq._QDQ)
     with qdq.implementation("eager"):
-        assert not qdq._fused(torch.device(device))
+        assert qdq._function(x, amax) is qdq._QDQ
     with qdq.implementation("fused"):
-        assert qdq._fused(torch.device(device))
+        assert qdq._function(x, amax) is qdq.QDQFunction
     with pytest.raises(ValueError, match="choose one of auto, eager, fused, triton"):
         with qdq.implementation("cuda-graphs"):
             pass

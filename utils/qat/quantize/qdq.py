@@ -24,14 +24,19 @@ lives is a TensorQuantizer internal (its ``_amax`` slot: a buffer, or a paramete
 module is the one place that touches it (``learned_amax``, ``amax_to_parameter``, ``amax_to_buffer``), as
 ``utils/qat/quantize/calib.py`` is for the calibrators' internals.
 
-``_QDQ`` below runs by default. The same arithmetic compiled into one forward and one backward kernel
-(``utils/qat/quantize/qdq_fused.py``, ``implementation("fused")``, bit for bit the same results) launches half the
-GPU kernels but costs more CPU per call than the operations it replaces, and a QAT step waits on the CPU: on an
-H100 at 640 px, batch 16, a step took 0.369 s fused against 0.290 s eager on GELAN-C, 0.487 s against 0.331 s on
-GELAN-S (benchmarks/results/qat-step-h100.md; on the CPU it is slower too).
-``implementation("triton")`` runs two hand-written Triton kernels instead (``utils/qat/quantize/qdq_triton.py``:
-one launch forward and one backward, with less CPU per call than the compiled ones; the reference where triton or
-the current CUDA device is missing).
+Three implementations compute it, bit for bit alike (tests/test_qdq_triton.py, tests/test_qdq_fused.py). A QAT step
+waits on the CPU, which issues thousands of small operations per step, so what counts is the CPU time per call:
+
+- ``triton``, the default on CUDA (``utils/qat/quantize/qdq_triton.py``): two hand-written Triton kernels, one
+  launch forward and one backward. On an H100 at 640 px, batch 16, a GELAN-C step took 0.212 s against 0.267 s
+  eager, GELAN-E 0.375 s against 0.554 s (benchmarks/results/qat-step-h100.md), and the default recipe ended on
+  GELAN-C with the eager run's AP at every epoch (benchmarks/results/gelan-c-default-triton-h100.md).
+- ``eager``, ``_QDQ`` below: the reference, and the default on the CPU and wherever triton is missing.
+- ``fused`` (``utils/qat/quantize/qdq_fused.py``): the arithmetic compiled by TorchInductor. It launches as few
+  kernels as ``triton`` but costs more CPU per call than the eager operations it replaces: 0.369 s against 0.290 s
+  eager on GELAN-C (benchmarks/results/qat-step-fused-h100.md). Kept for comparison.
+
+``implementation(name)`` chooses one for a block (benchmarks, tests).
 """
 from __future__ import annotations
 
@@ -50,7 +55,7 @@ if TYPE_CHECKING:
 
 
 BACKEND = "yolov9_qat_qdq"
-IMPLEMENTATIONS = ("auto", "eager", "fused", "triton")  # auto: eager, the fastest measured (module docstring)
+IMPLEMENTATIONS = ("auto", "eager", "fused", "triton")  # auto: triton on CUDA, eager elsewhere (module docstring)
 _implementation = ["auto"]
 
 
@@ -79,9 +84,11 @@ def _fused(device: torch.device) -> bool:
 
 
 def _function(inputs: torch.Tensor, amax: torch.Tensor) -> type[torch.autograd.Function]:
-    """The autograd function that fake-quantizes ``inputs``: the implementation chosen, where it serves the call
-    (``triton`` needs triton and the current CUDA device, ``fused`` a layout it compiles for), else the reference."""
-    if _implementation[0] == "triton":
+    """The autograd function that fake-quantizes ``inputs``: the implementation chosen (``auto``: triton on CUDA),
+    where it serves the call (``triton`` needs triton and the current CUDA device, ``fused`` a layout it compiles
+    for), else the reference."""
+    mode = _implementation[0]
+    if mode == "triton" or (mode == "auto" and inputs.device.type == "cuda"):
         return QDQTriton if qdq_triton.usable(inputs, amax) else _QDQ
     fused = _fused(inputs.device) and flat_shapes(inputs, amax) is not None
     return QDQFunction if fused else _QDQ
