@@ -31,9 +31,10 @@ def test_entropy_amax_is_modelopts_on_synthetic_histograms(yolov9_tree, seed):
         _modelopt(hist, edges), abs=0)
 
 
-@pytest.mark.slow  # modelopt's own method takes about 2 s per quantizer
+@pytest.mark.slow  # modelopt's own method takes 1-2 s per quantizer on 2 cores: 24 of GELAN-QS's, spread over the model
 def test_entropy_amax_is_modelopts_on_real_activations(yolov9_tree, shared):
-    """Every histogram quantizer of GELAN-QS on 4 real images: within one bin of modelopt (equal so far)."""
+    """Histogram quantizers of GELAN-QS on 4 real images, every k-th from the first to the last (every one of
+    GELAN-C's 195 matched modelopt exactly when compared once, docs/QAT.md): within one bin of modelopt."""
     from modelopt.torch.quantization.calib import HistogramCalibrator
 
     from utils.qat.model import checkpoint
@@ -44,8 +45,9 @@ def test_entropy_amax_is_modelopts_on_real_activations(yolov9_tree, shared):
     qmodel, _ = quantize(checkpoint.load_fp(QS), [images[:2], images[2:]],
                          QuantConfig(method="entropy", head_amax="calibrated"))
     calibrators = [q._calibrator for q in enabled_quantizers(qmodel) if isinstance(q._calibrator, HistogramCalibrator)]
-    assert len(calibrators) > 20
-    for c in calibrators:
+    assert len(calibrators) > 100
+    step = len(calibrators) // 23
+    for c in calibrators[::step] + calibrators[-1:]:
         width = float(c._calib_bin_edges[1] - c._calib_bin_edges[0])
         ours = float(entropy_amax(c._calib_hist, c._calib_bin_edges))
         assert abs(ours - _modelopt(c._calib_hist, c._calib_bin_edges)) <= width * 1.0001
