@@ -3,7 +3,7 @@
 For a quantized checkpoint it exports the Q/DQ ONNX twice, as ``export_qat.py --dynamic --simplify`` does,
 without and with ``--half`` (ModelOpt AutoCast, ``utils.qat.onnx.onnx_export.to_fp16``), and reports for each:
 the ONNX Runtime mAP on the dataset's val split (the same evaluator as ``val_trt.py``), the Q/DQ lint,
-which nodes feed every Conv (``onnx_qdq.conv_feeds``), the Q/DQ scale types, the opset, how many nodes
+which nodes feed every Conv (``onnx_lint.conv_feeds``), the Q/DQ scale types, the opset, how many nodes
 compute in FP16 and the Casts left. Writes OUT/autocast.json and OUT/autocast.md.
 
 Run from the top of a patched YOLOv9 tree:
@@ -43,7 +43,7 @@ import torch  # noqa: E402
 
 from utils.qat import __version__  # noqa: E402
 from utils.qat.model import checkpoint  # noqa: E402
-from utils.qat.onnx import onnx_qdq  # noqa: E402
+from utils.qat.onnx import onnx_lint  # noqa: E402
 from utils.qat.run import reports  # noqa: E402
 from utils.qat.core.atomic import write_text  # noqa: E402
 from utils.qat.evaluation.backends import ORTBackend  # noqa: E402
@@ -120,13 +120,13 @@ def graph_facts(path: Path, allow_fp: list[str]) -> dict:
     types.update({o.name: o.type.tensor_type.elem_type for o in m.graph.output})
     float_nodes = [n for n in m.graph.node if n.output and types.get(n.output[0]) in (1, 10)]
     fp16 = sum(1 for n in float_nodes if types.get(n.output[0]) == 10)
-    patterns = tuple(onnx_qdq.DEFAULT_ALLOW_FP) + tuple(_module_to_onnx_pattern(p) for p in allow_fp)
-    lint = onnx_qdq.lint(m, allow_fp=patterns)
+    patterns = tuple(onnx_lint.DEFAULT_ALLOW_FP) + tuple(_module_to_onnx_pattern(p) for p in allow_fp)
+    lint = onnx_lint.lint(m, allow_fp=patterns)
     return {
         "opset": next(o.version for o in m.opset_import if o.domain in ("", "ai.onnx")),
-        "lint": onnx_qdq.format_lint(lint),
+        "lint": onnx_lint.format_lint(lint),
         "lint_findings": lint["total"],
-        "conv_feeds": onnx_qdq.conv_feeds(m),
+        "conv_feeds": onnx_lint.conv_feeds(m),
         "qdq_scale_types": dict(scale_types),
         "float_nodes": len(float_nodes),
         "fp16_nodes": fp16,

@@ -246,7 +246,7 @@ def main(args) -> None:
 
     if "onnx" in stages:
         from utils.qat.onnx.onnx_export import export_onnx
-        from utils.qat.onnx.onnx_qdq import lint
+        from utils.qat.onnx.onnx_lint import lint
         best = Path(args.out) / "runs" / args.name / "weights" / f"qat_best_{Path(args.weights).stem}.pt"
         model, info, ckpt = checkpoint.load_quantized(best)
         onnx_path = best.with_suffix(".onnx")

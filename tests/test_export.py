@@ -178,10 +178,10 @@ def test_qat_reference_command_plain(qat_plain_cli, qat_ckpt, qat_model, images)
     assert "Q/DQ pairs" in r.stdout and "Q/DQ lint: clean" in r.stdout and "simplify: done" in r.stdout
     ins, outs = _io(out)
     assert ins["images"][0] == ["batch", 3, "height", "width"] and outs["output0"][0] == ["batch", 84, "anchors"]
-    from utils.qat.onnx import onnx_qdq
+    from utils.qat.onnx import onnx_lint
     model = onnx.load(str(out))
-    assert onnx_qdq.lint(model)["total"] == 0
-    s = onnx_qdq.qdq_summary(model)
+    assert onnx_lint.lint(model)["total"] == 0
+    s = onnx_lint.qdq_summary(model)
     assert s["opset"] == 17 and s["quantized_conv"] == s["conv"] - 1  # every conv but the DFL's
     assert s["qdq_pairs"] > 100 and s["dequantize_linear"] == s["qdq_pairs"] + s["quantized_conv"]
     assert _meta(out)["quantized"] == "true"
@@ -221,7 +221,7 @@ def test_half_fp_and_qat(fp_model, fp_static, qat_model, qat_plain_cli, work, im
     The FP32 references are the module's graphs of the same models (the static FP one, the reference command's
     INT8 one), not exported again: a GELAN-C export is what this test spends its time on."""
     from utils.qat.onnx.onnx_export import export_onnx
-    from utils.qat.onnx.onnx_qdq import conv_feeds
+    from utils.qat.onnx.onnx_lint import conv_feeds
     qmodel, fp_patterns = qat_model
     for name, model, kw, full in (("fp", fp_model, {}, fp_static[0]),
                                   ("qat", qmodel, {"allow_fp": fp_patterns}, qat_plain_cli[1])):
@@ -657,16 +657,16 @@ def test_simplify_failure_keeps_unsimplified(yolov9_tree, work, monkeypatch, cap
 def test_check_findings_fail_after_writing(qat_ckpt, work, monkeypatch, capsys):
     """--check (default for quantized checkpoints): lint findings are printed, the file is kept, exit non-zero."""
     import export_qat
-    from utils.qat.onnx import onnx_qdq
+    from utils.qat.onnx import onnx_lint
     from utils.qat.core.errors import QATError
-    lint = onnx_qdq.lint
+    lint = onnx_lint.lint
 
     def one_finding(model, **kwargs):
         report = lint(model, **kwargs)
         report["findings"] = {"concat_scale_mismatch": {"count": 1, "nodes": ["/model/model.11/Concat"]}}
         report["total"] = 1
         return report
-    monkeypatch.setattr(onnx_qdq, "lint", one_finding)
+    monkeypatch.setattr(onnx_lint, "lint", one_finding)
     weights = work / "check" / "qat.pt"
     weights.parent.mkdir()
     weights.symlink_to(qat_ckpt)

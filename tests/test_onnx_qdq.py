@@ -1,5 +1,6 @@
-"""utils.qat.onnx.onnx_qdq: Q/DQ lint, dedupe, simplify and summary on hand-built ONNX graphs, plus one real
-modelopt export. Pure ONNX (no YOLOv9 tree needed); the modelopt test is skipped without modelopt."""
+"""utils.qat.onnx.onnx_qdq (dedupe, simplify) and utils.qat.onnx.onnx_lint (Q/DQ lint, summary) on hand-built
+ONNX graphs, plus one real modelopt export. Pure ONNX (no YOLOv9 tree needed); the modelopt test is skipped
+without modelopt."""
 from __future__ import annotations
 
 import json
@@ -11,7 +12,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from utils.qat.onnx import onnx_qdq
-from utils.qat.onnx.onnx_qdq import FINDING_KINDS, dedupe_qdq, format_lint, lint, qdq_summary, simplify
+from utils.qat.onnx.onnx_lint import FINDING_KINDS, format_lint, lint, qdq_summary
+from utils.qat.onnx.onnx_qdq import dedupe_qdq, simplify
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -571,10 +573,11 @@ def test_qdq_summary():
     assert s2["inputs"][0]["shape"] == [2, 3, 8, 8] and s2["outputs"][0]["shape"] == [2, 2, 16, 16]
 
 
-def test_module_does_not_import_torch():
+def test_modules_do_not_import_torch():
     import subprocess
     import sys
-    code = "import sys, utils.qat.onnx.onnx_qdq; assert 'torch' not in sys.modules and 'onnxslim' not in sys.modules"
+    code = ("import sys, utils.qat.onnx.onnx_qdq, utils.qat.onnx.onnx_lint; assert"
+            " 'torch' not in sys.modules and 'onnxslim' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=str(onnx_qdq.__file__).rsplit("/utils/", 1)[0])
 
 

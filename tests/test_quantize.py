@@ -185,7 +185,7 @@ def test_skip_layers_leave_no_qdq(gelan_c_fp, calib_images, tmp_path):
 
     from utils.qat.quantize.model_quant import QuantConfig, quantize
     from utils.qat.onnx.onnx_export import export_onnx
-    from utils.qat.onnx.onnx_qdq import lint
+    from utils.qat.onnx.onnx_lint import lint
     qmodel, info = quantize(gelan_c_fp, [calib_images[:2]], QuantConfig(method="max", skip=("22", "model.15.cv4*"), head_amax="calibrated"),
                             example=calib_images[:1])
     enabled = [n for n, q in _quantizers(qmodel).items() if q.is_enabled]
@@ -211,7 +211,7 @@ def test_onnx_scales_shared_and_ort_matches(gelan_c_q, val_images, tmp_path):
     from onnx import numpy_helper
 
     from utils.qat.onnx.onnx_export import export_onnx
-    from utils.qat.onnx.onnx_qdq import lint
+    from utils.qat.onnx.onnx_lint import lint
     qmodel, _ = gelan_c_q
     out = tmp_path / "q.onnx"
     export_onnx(qmodel, out, imgsz=(IMGSZ, IMGSZ), batch_size=2, metadata={})
@@ -336,7 +336,7 @@ def test_activation_variants_quantize_and_export(yolov9_tree, shared, act, tmp_p
 
     from utils.qat.quantize.model_quant import QuantConfig, quantize
     from utils.qat.onnx.onnx_export import export_onnx
-    from utils.qat.onnx.onnx_qdq import lint
+    from utils.qat.onnx.onnx_lint import lint
     torch.manual_seed(0)  # a randomly initialised model: the same one whatever ran before
     model = ACTIVATIONS[act]()
     x = real_images(shared / "datasets" / "coco369" / "images" / "train2017", 2, 64)
@@ -370,7 +370,7 @@ def test_lint_clean_on_every_size(yolov9_tree, shared, cfg, tmp_path):
         pytest.skip(f"{cfg} needs ELAN1 from upstream models/common.py, which this YOLOv9 tree lacks")
     from utils.qat.quantize.model_quant import QuantConfig, quantize
     from utils.qat.onnx.onnx_export import export_onnx
-    from utils.qat.onnx.onnx_qdq import lint
+    from utils.qat.onnx.onnx_lint import lint
     model = build(yolov9_tree / "models" / "detect" / f"{cfg}.yaml", nc=80)
     x = real_images(shared / "datasets" / "coco369" / "images" / "train2017", 1, 64)
     qmodel, info = quantize(model, [x], QuantConfig(method="max", head_amax="calibrated"), example=x)
@@ -461,7 +461,7 @@ def test_lint_clean_on_segmentation_models(yolov9_tree, shared, cfg, tmp_path):
     from utils.qat.quantize.model_quant import QuantConfig, quantize
     from utils.qat.core import yolov9
     from utils.qat.onnx.onnx_export import export_onnx
-    from utils.qat.onnx.onnx_qdq import lint
+    from utils.qat.onnx.onnx_lint import lint
     yaml_path = yolov9_tree / "models" / "segment" / f"{cfg}.yaml"
     if "dseg" in cfg and "class DualDSegment(" not in (yolov9_tree / "models" / "yolo.py").read_text():
         pytest.skip(f"{cfg} needs DualDSegment from upstream models/yolo.py, which this YOLOv9 tree lacks")

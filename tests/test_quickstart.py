@@ -32,7 +32,7 @@ def test_quickstart_end_to_end(tmp_path):
         assert f.is_file() and f.stat().st_size > 0, f
     assert list(weights.glob("ptq_ap_*.pt")) and list(weights.glob("qat_ep_2_ap_*.pt"))
 
-    from utils.qat.onnx.onnx_qdq import lint
+    from utils.qat.onnx.onnx_lint import lint
     report = lint(weights / "qat_best_gelan-qs-shapes.onnx")
     assert report["total"] == 0, report["findings"]
 

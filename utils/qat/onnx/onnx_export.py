@@ -8,7 +8,7 @@
 2. optionally simplifies it (``onnx_qdq.simplify``: onnxslim, Q/DQ checked to survive; a failure keeps
    the unsimplified graph and says so in the report),
 3. optionally converts the floating-point parts to FP16 with NVIDIA ModelOpt AutoCast (:func:`to_fp16`),
-4. lints the Q/DQ placement of quantized graphs once, on the graph TensorRT gets (``onnx_qdq.lint``; the
+4. lints the Q/DQ placement of quantized graphs once, on the graph TensorRT gets (``onnx_lint.lint``; the
    report's Q/DQ counts come from that same lint),
 5. optionally appends NMS (``end2end.append_nms``),
 6. writes metadata (``utils.qat.core.artifact``: ``stride``, ``names`` as JSON, ``task``, ``imgsz``; and ``quantized``,
@@ -36,7 +36,7 @@ from onnx import numpy_helper
 
 from utils.qat import __version__
 from utils.qat.core import provenance, yolov9
-from utils.qat.onnx import onnx_qdq
+from utils.qat.onnx import onnx_lint, onnx_qdq
 from utils.qat.core.artifact import ArtifactMeta, write_props
 from utils.qat.core.atomic import atomic_path
 from utils.qat.core.errors import QATError
@@ -387,9 +387,9 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, *, imgsz: int | Seque
                 onnx_model = to_fp16(onnx_model, (h, w), batch_size)
             lint = None
             if quantized:  # the graph TensorRT gets (after FP16 conversion: AutoCast rewrites the Q/DQ scales)
-                patterns = tuple(onnx_qdq.DEFAULT_ALLOW_FP) + tuple(_module_to_onnx_pattern(p) for p in allow_fp)
-                lint = onnx_qdq.lint(onnx_model, allow_fp=patterns)
-            summary = onnx_qdq.qdq_summary(onnx_model, lint)  # the lint's counts: no second lint
+                patterns = tuple(onnx_lint.DEFAULT_ALLOW_FP) + tuple(_module_to_onnx_pattern(p) for p in allow_fp)
+                lint = onnx_lint.lint(onnx_model, allow_fp=patterns)
+            summary = onnx_lint.qdq_summary(onnx_model, lint)  # the lint's counts: no second lint
             if nms is not None:
                 onnx_model = e2e.append_nms(onnx_model, nc=nc, task=task, options=nms,
                                             pred=output_names[0], protos=output_names[-1])
@@ -476,6 +476,6 @@ def format_report(report: dict) -> str:
         lines.append(f"  End2End: {plugin}, topk {e['topk_all']}, iou {e['iou_thres']}, conf {e['conf_thres']}"
                      + (", class-agnostic" if e["class_agnostic"] else ""))
     if report["lint"] is not None:
-        text = onnx_qdq.format_lint(report["lint"])
+        text = onnx_lint.format_lint(report["lint"])
         lines.extend("  " + line for line in text.splitlines())
     return "\n".join(lines)
