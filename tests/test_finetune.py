@@ -48,7 +48,7 @@ def _export(module: torch.nn.Module, x: torch.Tensor) -> np.ndarray:
 def test_qdq_rounding_is_quantize_linear_bit_for_bit(yolov9_tree, device):
     """A quantizer's PyTorch output equals ONNX Runtime's QuantizeLinear -> DequantizeLinear of the exported
     graph in every bit, rounding ties (x exactly half-way between two steps) included; modelopt's own
-    rounding (x * 127 / amax) does not. On CUDA the quantizer runs the fused kernels (qdq_fused.py)."""
+    rounding (x * 127 / amax) does not. On CUDA the quantizer runs the Triton kernels (qdq_triton.py)."""
     from modelopt.torch.quantization.config import QuantizerAttributeConfig
     from modelopt.torch.quantization.nn import TensorQuantizer
 

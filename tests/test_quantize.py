@@ -136,7 +136,7 @@ def test_checkpoint_round_trip_in_fresh_process(yolov9_tree, gelan_c_q, val_imag
     with zipfile.ZipFile(path) as z:
         pickled = b"".join(z.read(n) for n in z.namelist() if n.endswith(".pkl"))
     # The toolkit classes a checkpoint pickles are quantize/'s only (the quantized twins): the modules that
-    # moved into packages (issue 30) are never in a pickle, so checkpoints written before the move still load.
+    # moved into packages (utils/qat/core, model, ...) are never in a pickle, so checkpoints written before the move still load.
     toolkit = {m.decode() for m in re.findall(rb"utils\.qat[\w.]*", pickled)}
     assert all(m.startswith("utils.qat.quantize.") for m in toolkit), toolkit
     torch.save(val_images, tmp_path / "x.pt")

@@ -2,11 +2,13 @@
 
 Written as plain PyTorch operations (``qdq._QDQ``, the reference), a quantizer launches about twelve kernels
 forward and several backward, and a YOLOv9 model has 500 to 700 quantizers: on a GPU the QAT step then waits
-for kernel launches, not for arithmetic (issue 29). Here the same arithmetic is compiled by TorchInductor
+for kernel launches, not for arithmetic. Here the same arithmetic is compiled by TorchInductor
 (``torch.compile(dynamic=True)``: one compilation serves every shape) into one fused kernel that writes the
 output and the saved mask (and, while amax is learned, the LSQ residual), and one that writes the input's
 gradient (and the residual times the gradient, summed afterwards by the same eager reduction as the reference,
-so that the amax gradient is bit-for-bit the reference's).
+so that the amax gradient is bit-for-bit the reference's). It launches as few kernels as ``qdq_triton.py`` but
+each compiled call costs more CPU than the operations it replaces, so it is slower per QAT step than both and runs
+only when asked (``qdq.implementation("fused")``; docs/QAT.md "What a QAT step costs, and what made it cheaper").
 
 Bit-exactness with the reference rests on three things, each checked by tests/test_qdq_fused.py:
 - divisions stay IEEE divisions: the divisor 127 is a tensor argument (Inductor turns a division by a constant
@@ -15,7 +17,7 @@ Bit-exactness with the reference rests on three things, each checked by tests/te
 - ``torch.round`` is lowered to round-half-to-even (``nearbyint``), as in eager;
 - everything is computed in float32 and cast once at the end, as the reference does.
 
-    y = QDQFunction.apply(x, amax, -128, 127)      # what qdq.fake_quant calls where ``fused_for(x)`` is True
+    y = QDQFunction.apply(x, amax, -128, 127)      # what qdq.fake_quant calls under implementation("fused")
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 The compiled version (``qdq_fused.py``) launches fewer kernels than the eager reference but pays more CPU per
 call than the operations it replaces (Inductor's guards and wrapper), and the QAT step is bound by that CPU
-time (issue 29). Here a quantizer is one kernel forward (reads x once; writes y, the straight-through mask and,
+time (benchmarks/results/qat-step-fused-h100.md). Here a quantizer is one kernel forward (reads x once; writes y, the straight-through mask and,
 while amax is learned, the float16 LSQ residual exactly as ``qdq._QDQ`` saves it) and one backward (the input's
 gradient and, while amax is learned, the per-element amax gradient, summed afterwards by the same eager
 ``sum_to_size`` as the reference, so that it is bit for bit the reference's). The scale is computed in the
