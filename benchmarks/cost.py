@@ -274,7 +274,7 @@ def fp_training(fp: torch.nn.Module, batches: list[tuple], hyp: dict, device: to
                 optimizer.zero_grad()
                 ema.update(model)
                 last_opt_step = i
-            mloss = (mloss * i + loss_items) / (i + 1)
+            mloss = (mloss * i + loss_items) / (i + 1)  # upstream's running mean: never read here, part of its step
             timer(i)
         del model, ema, optimizer
     return {"seconds_per_step": timer.summary(), **record}

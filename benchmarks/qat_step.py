@@ -3,9 +3,8 @@
 One step is the library's own (``utils.qat.quantize.finetune.QATStep``: teacher forward, student forward and
 backward, optimiser, learned amax, EMA) with the default ``QATConfig``, on random weights (re-initialised so
 activations stay O(1)) calibrated with ``max`` on the same random batches. For each model yaml and each
-implementation (``eager``: the reference operations, ``fused``: the compiled kernels of
-utils/qat/quantize/qdq_fused.py, ``triton``: the hand-written kernels of utils/qat/quantize/qdq_triton.py, the
-reference on the CPU) it reports the median step time after ``--warmup`` steps (compilation included there),
+implementation (``eager``: the reference operations, ``triton``: the hand-written kernels of
+utils/qat/quantize/qdq_triton.py, the reference on the CPU) it reports the median step time after ``--warmup`` steps (compilation included there),
 and the operations one step runs: ATen operator calls (CPU side) and, on CUDA, GPU kernels launched (torch.profiler,
 shapes not recorded). Writes OUT/qat_step.json and OUT/qat_step.md.
 
@@ -44,7 +43,7 @@ from utils.qat.quantize.model_quant import QuantConfig, fuse, quantize  # noqa: 
 from utils.qat.quantize.state import enabled_quantizers  # noqa: E402
 
 SIZES = ("t", "s", "m", "c", "e")
-IMPLS = ("eager", "fused", "triton")
+IMPLS = ("eager", "triton")
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -55,8 +54,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--imgsz", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--steps", type=int, default=10, help="timed steps per model and implementation")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (the fused kernels compile here)")
-    p.add_argument("--impl", nargs="+", default=["eager", "fused"], choices=IMPLS)
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (the Triton kernels compile here)")
+    p.add_argument("--impl", nargs="+", default=list(IMPLS), choices=IMPLS)
     p.add_argument("--out", default="runs/benchmark/qat_step")
     return p
 
@@ -119,9 +118,8 @@ def main(args: argparse.Namespace) -> dict:
         for impl in args.impl:
             row[impl] = measure(qmodel, teacher, batch, impl, args, device)
             print(f"{row['model']} {impl}: {row[impl]}", flush=True)
-        for impl in ("fused", "triton"):  # eager's time over each faster candidate's
-            if "eager" in row and impl in row:
-                row[f"speedup_{impl}"] = round(row["eager"]["seconds_per_step"] / row[impl]["seconds_per_step"], 3)
+        if "eager" in row and "triton" in row:  # eager's time over the kernels'
+            row["speedup_triton"] = round(row["eager"]["seconds_per_step"] / row["triton"]["seconds_per_step"], 3)
         rows.append(row)
     doc = {"device": _device_name(device), "imgsz": args.imgsz, "batch_size": args.batch_size, "steps": args.steps,
            "warmup": args.warmup, "threads": torch.get_num_threads(), "torch": torch.__version__,

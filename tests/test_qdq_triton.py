@@ -2,9 +2,9 @@
 same output and gradients in every bit. On CUDA the kernels QAT runs (skipped without a GPU); on the CPU the
 same kernels under Triton's interpreter (numpy, in a subprocess: the interpreter is chosen when triton is
 imported), which checks indexing, masks, casts and the residual but rounds half to even with floor and
-compares instead of libdevice's rint. Cases as tests/test_qdq_fused.py's (ties, clipped values and the
-bounds, float16 / bfloat16, per-channel amax with a 0, learned amax per tensor and per channel), plus a
-non-contiguous input and more than one block of elements."""
+compares instead of libdevice's rint. Cases: ties (x exactly on .5 steps), clipped values and the bounds,
+float16 / bfloat16, per-channel amax with a 0, learned amax per tensor and per channel, a non-contiguous input and
+more than one block of elements."""
 from __future__ import annotations
 
 import os
@@ -13,9 +13,40 @@ import sys
 
 import pytest
 import torch
-from test_qdq_fused import CASES, _inputs, _run
 
 TRITON = pytest.importorskip("triton", reason="triton is not installed (the triton implementation needs it)")
+
+
+def _inputs(shape, amax: torch.Tensor, dtype, g: torch.Generator) -> torch.Tensor:
+    from utils.qat.quantize.qdq import qdq_scale
+    x = torch.randn(shape, generator=g) * float(amax.max()) * 0.7
+    steps = torch.randint(-140, 140, shape, generator=g) + 0.5  # ties, some beyond the clip range
+    ties = torch.rand(shape, generator=g) < 0.3
+    x = torch.where(ties, steps * qdq_scale(amax), x)
+    flat = x.view(-1)
+    flat[:4] = torch.tensor([100.0, -100.0, float(amax.flatten()[0]), -float(amax.flatten()[0])])  # clipped, bounds
+    return x.to(dtype)
+
+
+CASES = {  # name: (input shape, amax, input dtype, amax learned)
+    "per-tensor": ((2, 8, 16, 16), torch.tensor(3.7), torch.float32, False),
+    "float16": ((2, 8, 16, 16), torch.tensor(3.7), torch.float16, False),
+    "bfloat16": ((2, 8, 16, 16), torch.tensor(0.37), torch.bfloat16, False),
+    "per-channel": ((8, 4, 3, 3), torch.cat([torch.zeros(1), torch.rand(7) * 2 + 0.1]).view(8, 1, 1, 1),
+                    torch.float32, False),
+    "learned": ((2, 8, 16, 16), torch.tensor(3.7), torch.float32, True),
+    "learned-float16": ((2, 8, 16, 16), torch.tensor(1.3), torch.float16, True),
+    "learned-per-channel": ((8, 4, 3, 3), torch.rand(8).view(8, 1, 1, 1) + 0.2, torch.float32, True),
+}
+
+
+def _run(fn, x: torch.Tensor, amax: torch.Tensor, learned: bool, grad: torch.Tensor):
+    x = x.clone().requires_grad_(True)
+    amax = amax.clone().requires_grad_(learned)
+    y = fn.apply(x, amax, -128, 127)
+    y.backward(grad)
+    return y.detach(), x.grad, amax.grad
+
 
 MORE_CASES = {  # name: (input shape, amax, input dtype, amax learned)
     "large": ((3, 40, 33, 31), torch.tensor(2.1), torch.float32, False),  # 122,760 elements: many blocks, a tail
@@ -107,3 +138,17 @@ def test_kernels_compile_to_ieee_division_and_rint_for_the_h100():
 def triton_ptx(source, target) -> str:
     import triton
     return triton.compile(source, target=target, options={"num_warps": 4}).asm["ptx"]
+
+
+def test_fake_quant_picks_triton_on_cuda_and_eager_elsewhere(yolov9_tree):
+    """The default (qdq.py): the Triton kernels on CUDA, the eager reference elsewhere; either can be forced."""
+    from utils.qat.quantize import qdq
+    x, amax = torch.randn(4, 8), torch.tensor(1.0)
+    assert qdq._function(x, amax) is qdq._QDQ
+    if torch.cuda.is_available():
+        assert qdq._function(x.cuda(), amax.cuda()) is qdq.QDQTriton
+        with qdq.implementation("eager"):
+            assert qdq._function(x.cuda(), amax.cuda()) is qdq._QDQ
+    with pytest.raises(ValueError, match="choose one of auto, eager, triton"):
+        with qdq.implementation("fused"):
+            pass

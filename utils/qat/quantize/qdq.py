@@ -24,30 +24,31 @@ lives is a TensorQuantizer internal (its ``_amax`` slot: a buffer, or a paramete
 module is the one place that touches it (``learned_amax``, ``amax_to_parameter``, ``amax_to_buffer``), as
 ``utils/qat/quantize/calib.py`` is for the calibrators' internals.
 
-Three implementations compute it, bit for bit alike (tests/test_qdq_triton.py, tests/test_qdq_fused.py). A QAT step
-waits on the CPU, which issues thousands of small operations per step, so what counts is the CPU time per call:
+Two implementations compute it, bit for bit alike (tests/test_qdq_triton.py). A QAT step waits on the CPU, which
+issues thousands of small operations per step, so what counts is the CPU time per call:
 
 - ``triton``, the default on CUDA (``utils/qat/quantize/qdq_triton.py``): two hand-written Triton kernels, one
   launch forward and one backward. On an H100 at 640 px, batch 16, a GELAN-C step took 0.212 s against 0.267 s
   eager, GELAN-E 0.375 s against 0.554 s (benchmarks/results/qat-step-h100.md), and the default recipe ended on
   GELAN-C with the eager run's AP at every epoch (benchmarks/results/gelan-c-default-triton-h100.md).
 - ``eager``, ``_QDQ`` below: the reference, and the default on the CPU and wherever triton is missing.
-- ``fused`` (``utils/qat/quantize/qdq_fused.py``): the arithmetic compiled by TorchInductor. It launches as few
-  kernels as ``triton`` but costs more CPU per call than the eager operations it replaces: 0.369 s against 0.290 s
-  eager on GELAN-C (benchmarks/results/qat-step-fused-h100.md). Kept for comparison.
+
+The same arithmetic compiled by TorchInductor launched as few kernels as ``triton`` but cost more CPU per call than
+the eager operations it replaced (0.369 s against 0.290 s a GELAN-C step, benchmarks/results/qat-step-fused-h100.md),
+so it was dropped.
 
 ``implementation(name)`` chooses one for a block (benchmarks, tests).
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 
 from utils.qat.quantize import qdq_triton
-from utils.qat.quantize.qdq_fused import QDQFunction, divisor, flat_shapes
 from utils.qat.quantize.qdq_triton import QDQTriton
 
 if TYPE_CHECKING:
@@ -55,8 +56,15 @@ if TYPE_CHECKING:
 
 
 BACKEND = "yolov9_qat_qdq"
-IMPLEMENTATIONS = ("auto", "eager", "fused", "triton")  # auto: triton on CUDA, eager elsewhere (module docstring)
+IMPLEMENTATIONS = ("auto", "eager", "triton")  # auto: triton on CUDA, eager elsewhere (module docstring)
 _implementation = ["auto"]
+
+
+@functools.cache
+def divisor(device: torch.device, levels: int = 127) -> torch.Tensor:
+    """``levels`` (2 ** (8 - 1) - 1) as a float32 tensor on ``device``: dividing by it is an IEEE division on every
+    device (CUDA computes ``t / 127.0`` as ``t * (1 / 127)``, which differs in the last bit for some values)."""
+    return torch.tensor(float(levels), dtype=torch.float32, device=device)
 
 
 def qdq_scale(amax: torch.Tensor, num_bits: int = 8) -> torch.Tensor:
@@ -78,20 +86,14 @@ def implementation(name: str):
         _implementation[0] = saved
 
 
-def _fused(device: torch.device) -> bool:
-    mode = _implementation[0]
-    return mode == "fused"
-
-
 def _function(inputs: torch.Tensor, amax: torch.Tensor) -> type[torch.autograd.Function]:
-    """The autograd function that fake-quantizes ``inputs``: the implementation chosen (``auto``: triton on CUDA),
-    where it serves the call (``triton`` needs triton and the current CUDA device, ``fused`` a layout it compiles
-    for), else the reference."""
+    """The autograd function that fake-quantizes ``inputs``: the implementation chosen (``auto``: triton on CUDA)
+    where it serves the call (triton importable, the current CUDA device, amax per tensor or on axis 0), else the
+    reference."""
     mode = _implementation[0]
     if mode == "triton" or (mode == "auto" and inputs.device.type == "cuda"):
         return QDQTriton if qdq_triton.usable(inputs, amax) else _QDQ
-    fused = _fused(inputs.device) and flat_shapes(inputs, amax) is not None
-    return QDQFunction if fused else _QDQ
+    return _QDQ
 
 
 class _QDQ(torch.autograd.Function):

@@ -1,8 +1,8 @@
 """The fake quantization of ``utils/qat/quantize/qdq.py`` as two hand-written Triton kernels, launched directly.
 
-The compiled version (``qdq_fused.py``) launches fewer kernels than the eager reference but pays more CPU per
-call than the operations it replaces (Inductor's guards and wrapper), and the QAT step is bound by that CPU
-time (benchmarks/results/qat-step-fused-h100.md). Here a quantizer is one kernel forward (reads x once; writes y, the straight-through mask and,
+The eager reference launches about twelve kernels forward and several backward per quantizer, and a QAT step is
+bound by the CPU time of those calls; compiling them with TorchInductor halved the kernels but cost more CPU per
+call (benchmarks/results/qat-step-fused-h100.md). Here a quantizer is one kernel forward (reads x once; writes y, the straight-through mask and,
 while amax is learned, the float16 LSQ residual exactly as ``qdq._QDQ`` saves it) and one backward (the input's
 gradient and, while amax is learned, the per-element amax gradient, summed afterwards by the same eager
 ``sum_to_size`` as the reference, so that it is bit for bit the reference's). The scale is computed in the
