@@ -114,6 +114,7 @@ def main(args: argparse.Namespace) -> list[dict]:
     print(f"{weights}: {'quantized (INT8 Q/DQ)' if quantized else 'floating-point'} {task} model, "
           f"{imgsz[0]}x{imgsz[1]}, batch {'dynamic' if args.dynamic else args.batch_size}")
     reports = []
+    metadata = {"source": weights.name, "source_sha256": sha256(weights)}  # hashed once for every format
     for include in dict.fromkeys(args.include):
         end2end = None
         if include == "onnx_end2end":
@@ -124,7 +125,7 @@ def main(args: argparse.Namespace) -> list[dict]:
         report = export_onnx(model, output_path(weights, include), imgsz=imgsz, batch_size=args.batch_size,
                              dynamic=args.dynamic, opset=args.opset, simplify=args.simplify, half=args.half,
                              end2end=end2end, task=task, device=device,
-                             allow_fp=fp_patterns, metadata={"source": weights.name, "source_sha256": sha256(weights)})
+                             allow_fp=fp_patterns, metadata=metadata)
         print(format_report(report))
         if report["simplify"].startswith("failed"):
             print(f"notice: simplification failed, {report['path']} is the unsimplified graph "
