@@ -16,7 +16,10 @@ Run from the top of a patched YOLOv9 tree (writes cost-<device>.json, .md and .p
   update every ``--accumulate`` batches (upstream's 64 / batch)). Its mean is the amortised step; make
   ``--steps`` a multiple of ``--accumulate``.
 - QAT step: ``utils.qat.quantize.finetune.finetune`` with the default QATConfig (teacher forward, EMA, learned
-  amax included), from the default calibration plus the head search where both are measured.
+  amax included), from the default calibration plus the head search where both are measured. On CUDA that
+  replays each step's forward and backward from a CUDA graph recorded at the first step (left out with the
+  ``--warmup`` steps); the same loop with every step eager (``--no-cuda-graph``) is measured too, from the same
+  calibrated model.
 - A step's time runs from the end of the previous step to its own end (the device synchronised), so the first
   ``--warmup`` steps are left out; median and mean are reported. Peak memory is
   ``torch.cuda.max_memory_allocated`` of the phase, reset before it.
@@ -318,13 +321,13 @@ def calibrations(fp: torch.nn.Module, batches: list[tuple], device: torch.device
 
 
 def qat_training(qmodel: torch.nn.Module, info, fp: torch.nn.Module, batches: list[tuple], hyp: dict,
-                 device: torch.device, args: argparse.Namespace) -> dict:
+                 device: torch.device, args: argparse.Namespace, cuda_graph: bool = True) -> dict:
     """The library's QAT loop (``finetune``, default QATConfig) for one epoch of exactly the batches."""
     from utils.general import init_seeds
     from utils.qat.quantize.finetune import QATConfig, finetune
     from utils.qat.quantize.model_quant import fuse
     from utils.qat.quantize.objectives import needs_labels
-    config = QATConfig(epochs=1, iters=len(batches))
+    config = QATConfig(epochs=1, iters=len(batches), cuda_graph=cuda_graph)
     labels = needs_labels(config.objective)
     feed = [(im, targets, None) if labels else im for im, targets in batches]
     init_seeds(args.seed)  # as qat.py seeds a run
@@ -332,10 +335,11 @@ def qat_training(qmodel: torch.nn.Module, info, fp: torch.nn.Module, batches: li
     timer = StepTimer(device, args.warmup)
     with peak_memory(device, record):
         teacher = fuse(copy.deepcopy(fp))
-        finetune(qmodel, teacher, lambda: feed, config, device=device, hyp=hyp, scale_groups=info.scale_groups,
-                 on_step=timer)
+        results = finetune(qmodel, teacher, lambda: feed, config, device=device, hyp=hyp,
+                           scale_groups=info.scale_groups, on_step=timer)
         del teacher
     return {"seconds_per_step": timer.summary(), **record, "objective": config.objective,
+            "graph_steps": results[0].graph_steps,
             "calibration": info.config.method + (" + head search" if info.config.head_amax == "search" else "")}
 
 
@@ -362,6 +366,9 @@ def measure(name: str, fp: torch.nn.Module, batches: list[tuple], hyp: dict, dev
         phase = "calibration"
         qmodel, info = calibrations(fp, batches, device, args, record)
         phase = "QAT"
+        if device.type == "cuda":  # first, on a copy: the default run below trains qmodel itself
+            record["qat_eager"] = qat_training(copy.deepcopy(qmodel), info, fp, batches, hyp, device, args,
+                                               cuda_graph=False)
         record["qat"] = qat_training(qmodel, info, fp, batches, hyp, device, args)
         fp_mean, qat_mean = record["fp"]["seconds_per_step"]["mean"], record["qat"]["seconds_per_step"]["mean"]
         record["ratio"] = round(qat_mean / fp_mean, 3)
@@ -424,17 +431,21 @@ def render(result: dict) -> str:
              f"Seconds per step: median / mean of {s['steps']} steps after {s['warmup']} (the device synchronised), "
              f"on the same batches ({s['data'] or 'synthetic'}, augmentation {s['hyp']}). FP: upstream train.py's "
              f"step (optimizer every {s['accumulate']} batches, deterministic kernels as it sets them); QAT: "
-             "`finetune` with the default QATConfig; QAT/FP: the ratio of the means. Peak GiB: the most allocated "
+             "`finetune` with the default QATConfig (on CUDA: forward and backward replayed from a CUDA graph); QAT "
+             "eager: the same with every step eager (`--no-cuda-graph`); QAT/FP: the ratio of the means (the "
+             "default's). Peak GiB: the most allocated "
              "by tensors in the phase (in brackets: held by the caching allocator). Calibration: seconds for "
              f"{s['calib_batches']} batches. Evaluation: inference forwards (the evaluator's TorchBackend), images "
              "per second.", "",
-             "| model | parameters (M) | quantizers (enabled) | FP s/step | QAT s/step | QAT/FP | FP peak GiB | QAT peak GiB | "
+             "| model | parameters (M) | quantizers (enabled) | FP s/step | QAT s/step | QAT/FP | QAT eager s/step | "
+             "FP peak GiB | QAT peak GiB | QAT eager peak GiB | "
              + " | ".join(f"{k} s" for k in methods) + " | eval img/s FP / fake-quant |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(methods) + "---:|"]
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(methods) + "---:|"]
     for r in result["models"]:
         fp, qat, ev = r.get("fp", {}), r.get("qat", {}), r.get("eval_images_per_second")
+        eager = r.get("qat_eager", {})
         cells = [r["model"], f"{r['parameters'] / 1e6:.1f}", _cell(r.get("quantizers")), _step(fp), _step(qat),
-                 _cell(r.get("ratio"), "{:.2f}x"), _peak(fp), _peak(qat),
+                 _cell(r.get("ratio"), "{:.2f}x"), _step(eager), _peak(fp), _peak(qat), _peak(eager) if eager else "-",
                  *(_cell(r.get("calibration_seconds", {}).get(k)) for k in methods),
                  f"{ev['fp']} / {ev['fake_quant']}" if ev else "-"]
         lines.append("| " + " | ".join(cells) + " |")
@@ -467,9 +478,11 @@ def plot(result: dict, png: Path) -> Path:
         if any(value(r["qat"]) is None for r in rows):  # the CPU counts no peak memory
             ax.text(0.5, 0.5, "not measured on this device", transform=ax.transAxes, ha="center")
             continue
-        for phase in ("fp", "qat"):
-            ax.plot(params, [value(r[phase]) for r in rows], marker="o",
-                    label="FP training" if phase == "fp" else "QAT")
+        labels = {"fp": "FP training", "qat": "QAT", "qat_eager": "QAT, every step eager"}
+        for phase, label_ in labels.items():
+            if all(phase in r for r in rows):
+                ax.plot(params, [value(r[phase]) for r in rows], marker="o", label=label_,
+                        linestyle=":" if phase == "qat_eager" else "-")
         for x, r in zip(params, rows):
             ax.annotate(r["model"], (x, value(r["qat"])), textcoords="offset points", xytext=(4, 4), fontsize=8)
         ax.legend()

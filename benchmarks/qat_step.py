@@ -1,12 +1,14 @@
-"""Seconds and operations per QAT step, per model size, for each fake-quantization implementation.
+"""Seconds and operations per QAT step, per model size, for each way of running it.
 
 One step is the library's own (``utils.qat.quantize.finetune.QATStep``: teacher forward, student forward and
 backward, optimiser, learned amax, EMA) with the default ``QATConfig``, on random weights (re-initialised so
-activations stay O(1)) calibrated with ``max`` on the same random batches. For each model yaml and each
-implementation (``eager``: the reference operations, ``triton``: the hand-written kernels of
-utils/qat/quantize/qdq_triton.py, the reference on the CPU) it reports the median step time after ``--warmup`` steps (compilation included there),
-and the operations one step runs: ATen operator calls (CPU side) and, on CUDA, GPU kernels launched (torch.profiler,
-shapes not recorded). Writes OUT/qat_step.json and OUT/qat_step.md.
+activations stay O(1)) calibrated with ``max`` on the same random batches. For each model yaml and each mode
+(``eager``: the reference quantizer operations, ``triton``: the hand-written kernels of
+utils/qat/quantize/qdq_triton.py, both with every step eager; ``graph``: the kernels with the forward and backward
+replayed from a CUDA graph, utils/qat/quantize/cuda_graph.py: the default on CUDA) it reports the median step time
+after ``--warmup`` steps (compilation and the graph's recording happen there), and what one step runs: ATen
+operator calls issued from Python, GPU kernels and their summed time (torch.profiler, shapes not recorded; the
+kernels a graph replays are not seen one by one). Writes OUT/qat_step.json and OUT/qat_step.md.
 
 Run from the top of a patched YOLOv9 tree:
 
@@ -43,7 +45,7 @@ from utils.qat.quantize.model_quant import QuantConfig, fuse, quantize  # noqa: 
 from utils.qat.quantize.state import enabled_quantizers  # noqa: E402
 
 SIZES = ("t", "s", "m", "c", "e")
-IMPLS = ("eager", "triton")
+IMPLS = ("eager", "triton", "graph")  # graph: the triton kernels, replayed from a CUDA graph
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -65,8 +67,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def operations(step: QATStep, batch: torch.Tensor, device: torch.device) -> dict[str, int]:
-    """ATen operator calls and GPU kernels of one step."""
+def operations(step: QATStep, batch: torch.Tensor, device: torch.device) -> dict:
+    """ATen operator calls, GPU kernels and their summed milliseconds, of one step."""
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities, record_shapes=False) as prof:
@@ -74,15 +76,18 @@ def operations(step: QATStep, batch: torch.Tensor, device: torch.device) -> dict
         _sync(device)
     events = prof.events()
     ops = sum(1 for e in events if e.name.startswith("aten::"))
-    kernels = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
-    return {"aten_ops": ops, "gpu_kernels": kernels if device.type == "cuda" else None}
+    gpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    cuda = device.type == "cuda"
+    return {"aten_ops": ops, "gpu_kernels": len(gpu) if cuda else None,
+            "gpu_ms": round(sum(e.device_time for e in gpu) / 1e3, 2) if cuda else None}
 
 
 def measure(qmodel: torch.nn.Module, teacher: torch.nn.Module, batch: torch.Tensor, impl: str, args,
             device: torch.device) -> dict:
     model = copy.deepcopy(qmodel)
-    with qdq.implementation(impl):
-        step = QATStep(model, copy.deepcopy(teacher), lambda: [batch], QATConfig(), device=device)
+    with qdq.implementation("triton" if impl == "graph" else impl):
+        step = QATStep(model, copy.deepcopy(teacher), lambda: [batch], QATConfig(cuda_graph=impl == "graph"),
+                       device=device)
         step.train()
         try:
             t0 = time.perf_counter()
@@ -118,8 +123,9 @@ def main(args: argparse.Namespace) -> dict:
         for impl in args.impl:
             row[impl] = measure(qmodel, teacher, batch, impl, args, device)
             print(f"{row['model']} {impl}: {row[impl]}", flush=True)
-        if "eager" in row and "triton" in row:  # eager's time over the kernels'
-            row["speedup_triton"] = round(row["eager"]["seconds_per_step"] / row["triton"]["seconds_per_step"], 3)
+        for impl in ("triton", "graph"):  # eager's time over each's
+            if "eager" in row and impl in row:
+                row[f"speedup_{impl}"] = round(row["eager"]["seconds_per_step"] / row[impl]["seconds_per_step"], 3)
         rows.append(row)
     doc = {"device": _device_name(device), "imgsz": args.imgsz, "batch_size": args.batch_size, "steps": args.steps,
            "warmup": args.warmup, "threads": torch.get_num_threads(), "torch": torch.__version__,
@@ -140,16 +146,17 @@ def render(doc: dict) -> str:
     impls = [i for i in IMPLS if any(i in r for r in doc["rows"])]
     speedups = [i for i in impls if any(f"speedup_{i}" in r for r in doc["rows"])]
     head = "| " + " | ".join(["model", "params (M)", "quantizers"]
-                             + [f"{i} {c}" for i in impls for c in ("s/step", "ATen ops", "GPU kernels")]
+                             + [f"{i} {c}" for i in impls for c in ("s/step", "ATen ops", "GPU kernels", "GPU ms")]
                              + [f"speed-up {i}" for i in speedups]) + " |"
     lines = [f"## QAT step: {doc['device']}, {doc['imgsz']} px, batch {doc['batch_size']} (median of {doc['steps']} "
              f"steps after {doc['warmup']}; torch {doc['torch']}, {doc['threads']} threads)", "", head,
-             "|" + "---|" * (3 + 3 * len(impls) + len(speedups))]
+             "|" + "---|" * (3 + 4 * len(impls) + len(speedups))]
     for r in doc["rows"]:
         cells = []
         for i in impls:
             m = r.get(i, {})
-            cells += [f"{m.get('seconds_per_step', '')}", f"{m.get('aten_ops', '')}", f"{m.get('gpu_kernels') or '-'}"]
+            cells += [f"{m.get('seconds_per_step', '')}", f"{m.get('aten_ops', '')}", f"{m.get('gpu_kernels') or '-'}",
+                      f"{m.get('gpu_ms') or '-'}"]
         cells += [f"{r.get(f'speedup_{i}', '-')}" for i in speedups]
         lines.append(f"| {r['model']} | {r['parameters_M']} | {r['quantizers']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -39,16 +39,44 @@ def test_quantizer_sensitivity_groups_fold_levels_and_cover_the_layer(yolov9_tre
     assert len(per_level) == len(every) + 2 and "model.22.cv3.0.2.input" in per_level
 
 
-def _cost(tree, *argv: str) -> dict:
-    """benchmarks/cost.py's main in this process, from the top of the tree (as it is run)."""
+def _main(tree, name: str, *argv: str) -> dict:
+    """benchmarks/NAME.py's main in this process, from the top of the tree (as it is run)."""
     import os
     here = os.getcwd()
     os.chdir(tree)
     try:
-        cost = _module("cost")
-        return cost.main(cost.get_args_parser().parse_args(list(argv)))
+        bench = _module(name)
+        return bench.main(bench.get_args_parser().parse_args(list(argv)))
     finally:
         os.chdir(here)
+
+
+def _cost(tree, *argv: str) -> dict:
+    return _main(tree, "cost", *argv)
+
+
+def test_qat_step_table_per_mode(yolov9_tree, tmp_path):
+    """benchmarks/qat_step.py on the CPU at a tiny size: a row per model with each mode timed and counted, the
+    speed-ups eager's time over each mode's, json and md written."""
+    import json
+
+    import yaml
+    from helpers import TINY_GELAN
+    tiny = tmp_path / "tiny.yaml"
+    tiny.write_text(yaml.safe_dump(TINY_GELAN))
+    out = tmp_path / "out"
+    doc = _main(yolov9_tree, "qat_step", "--cfg", str(tiny), "--imgsz", "32", "--batch-size", "2", "--steps", "2",
+                "--warmup", "1", "--impl", "eager", "graph", "--out", str(out))
+    assert json.loads((out / "qat_step.json").read_text()) == doc
+    (row,) = doc["rows"]
+    assert row["model"] == "tiny" and row["quantizers"] > 0 and "triton" not in row
+    for mode in ("eager", "graph"):
+        assert 0 < row[mode]["seconds_per_step"] < 60 and row[mode]["aten_ops"] > 100
+        assert row[mode]["gpu_kernels"] is None and row[mode]["gpu_ms"] is None  # no GPU here
+    assert row["speedup_graph"] == round(row["eager"]["seconds_per_step"] / row["graph"]["seconds_per_step"], 3)
+    md = (out / "qat_step.md").read_text()
+    assert "| eager s/step |" in md and "| graph GPU ms |" in md and "| speed-up graph |" in md
+    assert md.count("| tiny |") == 1
 
 
 def test_cost_table_times_fp_and_qat_on_the_same_batches(yolov9_tree, small_data, tmp_path):
@@ -82,6 +110,7 @@ def test_cost_table_times_fp_and_qat_on_the_same_batches(yolov9_tree, small_data
     assert r["fp"]["peak_memory_gib"] is None  # the CPU has no peak counter
     assert list(r["calibration_seconds"]) == ["max"] and r["calibration_seconds"]["max"] > 0
     assert r["qat"]["objective"] == "head" and r["qat"]["calibration"] == "max"
+    assert r["qat"]["graph_steps"] == 0 and "qat_eager" not in r  # the CPU records no graph: one QAT loop
     assert r["eval_images_per_second"]["fp"] > 0 and r["eval_images_per_second"]["fake_quant"] > 0
     md = (out / "cost-test.md").read_text()
     assert "| tiny | 1.2 | " in md and "broken skipped" in md and f"{r['ratio']:.2f}x" in md

@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from utils.qat.quantize import objectives
+from utils.qat.quantize.cuda_graph import StepGraph
 from utils.qat.core import distributed
 from utils.qat.core.errors import QATError
 from utils.qat.core.progress import progress
@@ -50,6 +51,9 @@ class QATConfig:
     # weight of its masks term (head.masks: segmentation heads only; docs/QAT.md "The shapes models to the end,
     # and the mask term's weight")
     mask_gain: float = 5.0
+    # on CUDA, replay each step's forward and backward from a CUDA graph (utils/qat/quantize/cuda_graph.py says
+    # when it stays eager); the results are the eager step's, bit for bit
+    cuda_graph: bool = True
 
 
 @dataclass
@@ -60,6 +64,7 @@ class EpochResult:
     terms: dict[str, float] = field(default_factory=dict)  # each objective term, mean over the epoch
     steps: int = 0
     amax: dict[str, float] = field(default_factory=dict)  # learned amax: how far it moved from calibration
+    graph_steps: int = 0  # steps whose forward and backward ran as a CUDA graph
 
 
 def supervised_layers(model: nn.Module, stride: int) -> list[int]:
@@ -166,7 +171,7 @@ def finetune(model: nn.Module, teacher: nn.Module, batches: Callable[[], Iterabl
             if on_epoch_start is not None:
                 on_epoch_start(epoch)
             step.train()
-            start, steps = time.time(), 0
+            start, steps, replays = time.time(), 0, step.graph_steps
             sums: dict[str, torch.Tensor] = {}  # summed on the device: reading a loss each step would wait for the GPU
             bar = progress(_steps(batches, config.iters, announce=epoch == 0), total=config.iters,
                            desc=f"QAT epoch {epoch + 1}/{config.epochs}")
@@ -183,7 +188,8 @@ def finetune(model: nn.Module, teacher: nn.Module, batches: Callable[[], Iterabl
             means = {k: round(distributed.all_reduce_mean(v / max(steps, 1)), 6) for k, v in totals.items()}
             learned = step.learned
             result = EpochResult(epoch, distributed.all_reduce_mean(sum(totals.values()) / max(steps, 1)), time.time() - start,
-                                 terms=means, steps=steps, amax=learned.summary() if learned is not None else {})
+                                 terms=means, steps=steps, amax=learned.summary() if learned is not None else {},
+                                 graph_steps=step.graph_steps - replays)
             results.append(result)
             model.eval()
             teacher.eval()
@@ -245,19 +251,48 @@ class QATStep:
         self.schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: lr_factor(step, total, warmup, config.final_lr_ratio))
         self.scaler = torch.amp.GradScaler(device.type, enabled=amp)
-        self.autocast = (lambda: torch.autocast(device.type, dtype=torch.float16)) if amp else contextlib.nullcontext
+        # no cast cache: a CUDA graph cannot record it (the casts it saves are of the teacher's weights, once a step)
+        self.autocast = ((lambda: torch.autocast(device.type, dtype=torch.float16, cache_enabled=False)) if amp
+                         else contextlib.nullcontext)
         self.student = _distributed(model, device, every_parameter_used="features" not in self.terms or len(self.terms) > 1)
         self.ema = _EMA(model, config.ema) if config.ema > 0 else None
         self.student_taps, self.teacher_taps = _Taps(model, self.tapped), _Taps(teacher, self.tapped)
+        self.graph: StepGraph | None = None
+        if config.cuda_graph and device.type == "cuda" and not distributed.active() and self.task is None:
+            self.graph = StepGraph(lambda images: self._forward_backward(images, None, None),
+                                   lambda none: optimizer.zero_grad(set_to_none=none))
 
     def train(self) -> None:
         """The student and the teacher in the form the objective compares (training form unless ``mse``)."""
         self.model.train(self.train_form)
         self.teacher.train(self.train_form)
 
+    @property
+    def graph_steps(self) -> int:
+        """Steps so far whose forward and backward were replayed from the CUDA graph."""
+        return self.graph.replays if self.graph is not None else 0
+
     def __call__(self, batch) -> dict[str, torch.Tensor]:
-        """One optimisation step on ``batch``; returns each objective term (tensors, not synchronised)."""
+        """One optimisation step on ``batch``; returns each objective term (tensors, not synchronised; those of a
+        replayed step are overwritten by the next one)."""
         images, targets, masks = _unpack(batch, self.device)
+        if self.graph is not None:  # replayed, or eager with the graph's gradient tensors kept (a short batch)
+            values = self.graph(images) if self.graph.serves(images) else self.graph.eager(images)
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+            values = self._forward_backward(images, targets, masks)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.schedule.step()
+        if self.learned is not None:
+            self.learned.clamp()
+        if self.ema is not None:
+            self.ema.update(self.model)
+        return values
+
+    def _forward_backward(self, images: torch.Tensor, targets: torch.Tensor | None,
+                          masks: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """Teacher and student forward, the objective, and its scaled backward (gradients left in ``.grad``)."""
         if images.dtype == torch.uint8:
             images = images.float() / 255
         with torch.no_grad(), self.autocast():
@@ -279,19 +314,13 @@ class QATStep:
                     raise QATError("--qat-loss task needs labels: pass batches of (images, targets).")
                 values[term] = self.task(s_out, targets, masks)
         loss = sum(values.values())
-        self.optimizer.zero_grad(set_to_none=True)
         self.scaler.scale(loss).backward()
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.schedule.step()
-        if self.learned is not None:
-            self.learned.clamp()
-        if self.ema is not None:
-            self.ema.update(self.model)
         return values
 
     def close(self) -> None:
         """Taps removed, evaluation mode, the averaged weights in the model, amax buffers again."""
+        if self.graph is not None:
+            self.graph.close()
         self.student_taps.close()
         self.teacher_taps.close()
         self.model.eval()

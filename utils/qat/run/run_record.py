@@ -112,7 +112,8 @@ class RunRecorder:
         row = reports.entry(f"QAT epoch {epoch}", path, m, sec)
         self._save(path, qmodel, info, epoch, row)
         self.epochs.append({"epoch": epoch, **ap_record(m), "loss": result.loss, "loss_terms": result.terms,
-                            "steps": result.steps, "train_seconds": round(result.seconds, 1), "weights": str(path)})
+                            "steps": result.steps, "graph_steps": result.graph_steps,
+                            "train_seconds": round(result.seconds, 1), "weights": str(path)})
         if self.best_ap is None or m.mAP50_95 > self.best_ap:
             self.best_ap, self.best_epoch, self.best_row = m.mAP50_95, epoch, row
             copy_file(path, self.best_path)
