@@ -54,7 +54,7 @@ def deterministic():
 
 
 def _train(calibrated, batches, device, *, hook=None, **config):
-    """Fine-tune a copy of the calibrated model; returns its state, the epochs' results and the learned amax."""
+    """Fine-tune a copy of the calibrated model; returns its state dict (on the CPU) and the epochs' results."""
     from utils.qat.quantize.finetune import QATConfig, finetune
     qmodel, teacher, info = calibrated
     student = copy.deepcopy(qmodel)
