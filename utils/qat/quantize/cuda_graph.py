@@ -89,8 +89,7 @@ class StepGraph:
         of earlier work (a data loader's abandoned iterator, say), and freeing memory is one of the calls a
         recording forbids. What is garbage already is collected first."""
         for _ in range(self.warmup):
-            self.zero_grad(True)
-            self.forward_backward(images)
+            self.eager(images)
         self.zero_grad(True)  # the backward being recorded creates the .grad tensors that every replay writes
         static = images.clone()
         start = time.perf_counter()
@@ -122,11 +121,10 @@ class StepGraph:
             print(f"QAT: the step could not be recorded as a CUDA graph ({self.failed}); every step runs eagerly, "
                   f"as with --no-cuda-graph", flush=True)
         del graph
-        self.zero_grad(True)
         gc.collect()
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-        return self.forward_backward(images)
+        return self.eager(images)
 
     def close(self) -> None:
         """Release the graph and its memory pool."""
