@@ -108,7 +108,7 @@ def diagnose(fp32: Path, out: Path, data: dict, args: argparse.Namespace) -> dic
 
 def graph_facts(path: Path, allow_fp: list[str]) -> dict:
     """Lint, Conv feeds, scale types, opset, FP16 share and Casts of one exported graph."""
-    from utils.qat.onnx.onnx_export import _module_to_onnx_pattern
+    from utils.qat.onnx.onnx_export import module_to_onnx_pattern
     m = onnx.load(str(path))
     inits = {t.name: t for t in m.graph.initializer}
     scale_types: Counter[str] = Counter()
@@ -120,7 +120,7 @@ def graph_facts(path: Path, allow_fp: list[str]) -> dict:
     types.update({o.name: o.type.tensor_type.elem_type for o in m.graph.output})
     float_nodes = [n for n in m.graph.node if n.output and types.get(n.output[0]) in (1, 10)]
     fp16 = sum(1 for n in float_nodes if types.get(n.output[0]) == 10)
-    patterns = tuple(onnx_lint.DEFAULT_ALLOW_FP) + tuple(_module_to_onnx_pattern(p) for p in allow_fp)
+    patterns = tuple(onnx_lint.DEFAULT_ALLOW_FP) + tuple(module_to_onnx_pattern(p) for p in allow_fp)
     lint = onnx_lint.lint(m, allow_fp=patterns)
     return {
         "opset": next(o.version for o in m.opset_import if o.domain in ("", "ai.onnx")),

@@ -146,7 +146,7 @@ def _counts(model: onnx.ModelProto) -> tuple[int, int]:
 
 
 def _scales(model: onnx.ModelProto) -> list[tuple]:
-    g = onnx_qdq._Graph(model)
+    g = onnx_qdq.QDQGraph(model)
     out = []
     for n in g.nodes:
         if n.op_type in ("QuantizeLinear", "DequantizeLinear"):
@@ -643,7 +643,7 @@ def test_modelopt_conv_export_lints_clean(modelopt_exports):
     assert rep["stats"]["conv"] == rep["stats"]["quantized_conv"] == 3
     assert rep["stats"]["quantize_linear"] == rep["stats"]["dequantize_linear"] == 6
     # modelopt's form: weight Q->DQ of the float initializer, scales / zero points in Constant nodes
-    g = onnx_qdq._Graph(m)
+    g = onnx_qdq.QDQGraph(m)
     wq = [n for n in g.nodes if n.op_type == "QuantizeLinear" and n.input[0] in g.init]
     assert len(wq) == 3 and all(n.input[1] in g.const_nodes for n in g.nodes if n.op_type == "QuantizeLinear")
     s = simplify(m)

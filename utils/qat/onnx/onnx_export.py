@@ -203,7 +203,7 @@ def to_fp16(model: onnx.ModelProto, imgsz: tuple[int, int], batch_size: int = 1,
 # export
 # ---------------------------------------------------------------------------------------------
 
-def _module_to_onnx_pattern(pattern: str) -> str:
+def module_to_onnx_pattern(pattern: str) -> str:
     """A module-name pattern ('model.22.*', 'model.22.') as a pattern on exported node names
     ('/model.22/cv2.0/...'): dots may be dots or scope slashes."""
     return "*" + pattern.rstrip(".").replace(".", "[./]") + "[./]*"
@@ -387,7 +387,7 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, *, imgsz: int | Seque
                 onnx_model = to_fp16(onnx_model, (h, w), batch_size)
             lint = None
             if quantized:  # the graph TensorRT gets (after FP16 conversion: AutoCast rewrites the Q/DQ scales)
-                patterns = tuple(onnx_lint.DEFAULT_ALLOW_FP) + tuple(_module_to_onnx_pattern(p) for p in allow_fp)
+                patterns = tuple(onnx_lint.DEFAULT_ALLOW_FP) + tuple(module_to_onnx_pattern(p) for p in allow_fp)
                 lint = onnx_lint.lint(onnx_model, allow_fp=patterns)
             summary = onnx_lint.qdq_summary(onnx_model, lint)  # the lint's counts: no second lint
             if nms is not None:

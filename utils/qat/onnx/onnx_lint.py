@@ -1,5 +1,5 @@
 """The Q/DQ lint: what would stop TensorRT from running a Q/DQ ONNX fully in INT8, read through
-:class:`utils.qat.onnx.onnx_qdq._Graph`.
+:class:`utils.qat.onnx.onnx_qdq.QDQGraph`.
 
 - :func:`lint` reports what would stop TensorRT from running a Q/DQ ONNX fully in INT8
   (explicit quantization); :func:`format_lint` turns the report into a short text.
@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 
 from utils.qat.onnx.onnx_graph import attr
-from utils.qat.onnx.onnx_qdq import DQ, Q, ModelLike, _Graph, _load, _qkey, graph_io
+from utils.qat.onnx.onnx_qdq import DQ, Q, ModelLike, QDQGraph, as_model, qkey, graph_io
 
 __all__ = ["FINDING_KINDS", "lint", "format_lint", "qdq_summary", "conv_feeds"]
 
@@ -71,7 +71,7 @@ def _axis(node: onnx.NodeProto, rank: int) -> int:
 # lint
 # ---------------------------------------------------------------------------------------------
 
-def _weight_dq(g: _Graph, name: str) -> onnx.NodeProto | None:
+def _weight_dq(g: QDQGraph, name: str) -> onnx.NodeProto | None:
     """The DQ quantizing a constant weight: DQ(int8 constant) or DQ(Q(float constant)); else None."""
     dq = g.dq_of(name)
     if dq is None:
@@ -84,7 +84,7 @@ def _weight_dq(g: _Graph, name: str) -> onnx.NodeProto | None:
     return None
 
 
-def _weight_shape(g: _Graph, dq: onnx.NodeProto) -> tuple[int, ...] | None:
+def _weight_shape(g: QDQGraph, dq: onnx.NodeProto) -> tuple[int, ...] | None:
     shape = g.static_shape(dq.input[0])
     if shape is None:
         q = g.source(dq.input[0])
@@ -102,11 +102,11 @@ def _name(node: onnx.NodeProto) -> str:
     return node.name or f"{node.op_type}({node.output[0] if node.output else '?'})"
 
 
-def _output_qs(g: _Graph, tensor: str) -> list[onnx.NodeProto]:
+def _output_qs(g: QDQGraph, tensor: str) -> list[onnx.NodeProto]:
     return [c for c in g.real_consumers(tensor) if c.op_type == Q]
 
 
-def _reaches_quantized_consumer(g: _Graph, tensor: str, seen: set[str] | None = None) -> bool:
+def _reaches_quantized_consumer(g: QDQGraph, tensor: str, seen: set[str] | None = None) -> bool:
     seen = set() if seen is None else seen
     if tensor in seen:
         return False
@@ -120,7 +120,7 @@ def _reaches_quantized_consumer(g: _Graph, tensor: str, seen: set[str] | None = 
     return False
 
 
-def _int_type(g: _Graph, node: onnx.NodeProto, depth: int = 0) -> int | None:
+def _int_type(g: QDQGraph, node: onnx.NodeProto, depth: int = 0) -> int | None:
     """The integer type a Q produces / a DQ consumes (None when it cannot be told)."""
     if len(node.input) > 2 and node.input[2]:
         return g.dtype(node.input[2])
@@ -169,8 +169,8 @@ def lint(model: ModelLike, allow_fp: Iterable[str] = DEFAULT_ALLOW_FP) -> dict:
     ``quantize_linear``, ``dequantize_linear``, ``conv``, ``quantized_conv`` (input and weight
     quantized), ``fp_conv_allowed`` (convs matched by ``allow_fp``).
     """
-    m = _load(model)
-    g = _Graph(m)
+    m = as_model(model)
+    g = QDQGraph(m)
     allow = tuple(allow_fp or ())
     found: dict[str, dict[str, None]] = defaultdict(dict)  # kind -> node names, ordered, unique
 
@@ -265,7 +265,7 @@ def lint(model: ModelLike, allow_fp: Iterable[str] = DEFAULT_ALLOW_FP) -> dict:
     groups: dict[tuple, list[onnx.NodeProto]] = defaultdict(list)
     for n in g.nodes:
         if n.op_type in (Q, DQ) and n.input and n.input[0]:
-            key = _qkey(g, n)
+            key = qkey(g, n)
             if key is not None:
                 groups[(g.canon(n.input[0]), key)].append(n)
     for nodes in groups.values():
@@ -305,8 +305,8 @@ def qdq_summary(model: ModelLike, lint_report: dict | None = None) -> dict:
     """Numbers for the export printout: Q/DQ pairs, Q and DQ nodes, quantized / all convs, and
     :func:`graph_io`. ``lint_report``: :func:`lint` of this same graph when the caller has it (its
     counts do not depend on ``allow_fp``); otherwise the counts are linted here. JSON-serialisable."""
-    m = _load(model)
-    g = _Graph(m)
+    m = as_model(model)
+    g = QDQGraph(m)
     stats = (lint_report if lint_report is not None else lint(m, allow_fp=()))["stats"]
     pairs = sum(1 for n in g.nodes if n.op_type == DQ and (s := g.source(n.input[0])) is not None
                 and s.op_type == Q)
@@ -326,7 +326,7 @@ def conv_feeds(model: ModelLike) -> dict[str, dict[str, int]]:
     of Casts between the producer and the Conv is spelled out; ``initializer`` / ``graph input`` when no node
     produces the tensor). TensorRT fuses DQ -> Conv into an INT8 convolution; a Cast in between is what
     ModelOpt removes "for optimal TRT fusion"."""
-    m = _load(model)
+    m = as_model(model)
     producer = {o: n for n in m.graph.node for o in n.output}
     inits = {t.name for t in m.graph.initializer}
 

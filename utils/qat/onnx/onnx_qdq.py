@@ -1,6 +1,6 @@
 """Pure ONNX graph tools for Q/DQ (QuantizeLinear / DequantizeLinear) models: the graph view and its rewriting.
 
-- :class:`_Graph` indexes one graph (producers, consumers, constants, no-op casts, Q/DQ parameters);
+- :class:`QDQGraph` indexes one graph (producers, consumers, constants, no-op casts, Q/DQ parameters);
   the Q/DQ lint (utils/qat/onnx/onnx_lint.py) reads graphs through it too.
 - :func:`dedupe_qdq` merges the redundant Q/DQ the torch exporter leaves (one tensor quantized
   several times with identical parameters) without changing a single output bit.
@@ -24,7 +24,7 @@ from onnx import numpy_helper
 
 from utils.qat.onnx.onnx_graph import attr, constant_node_dtype, constant_node_value, tensor_types, toposort
 
-__all__ = ["dedupe_qdq", "simplify", "graph_io"]
+__all__ = ["Q", "DQ", "ModelLike", "as_model", "QDQGraph", "qkey", "dedupe_qdq", "simplify", "graph_io"]
 
 Q, DQ = "QuantizeLinear", "DequantizeLinear"
 
@@ -36,7 +36,8 @@ ModelLike = Union[onnx.ModelProto, str, Path]
 # graph index
 # ---------------------------------------------------------------------------------------------
 
-def _load(model: ModelLike) -> onnx.ModelProto:
+def as_model(model: ModelLike) -> onnx.ModelProto:
+    """The model itself, or the one loaded from the path."""
     if isinstance(model, onnx.ModelProto):
         return model
     if isinstance(model, (str, Path)):
@@ -44,7 +45,7 @@ def _load(model: ModelLike) -> onnx.ModelProto:
     raise TypeError(f"expected an onnx.ModelProto or a path, got {type(model).__name__}")
 
 
-class _Graph:
+class QDQGraph:
     """Producer / consumer / constant index of one ONNX graph (the main graph only)."""
 
     def __init__(self, model: onnx.ModelProto):
@@ -178,7 +179,7 @@ def _has_subgraph(node: onnx.NodeProto) -> bool:
     return any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute)
 
 
-def _qkey(g: _Graph, node: onnx.NodeProto) -> tuple | None:
+def qkey(g: QDQGraph, node: onnx.NodeProto) -> tuple | None:
     """Exact identity of a Q/DQ's parameters (scale, zero point, attributes); None if not constant."""
     scale, zp, zp_type = g.qparams(node)
     if scale is None or (len(node.input) > 2 and node.input[2] and zp is None):
@@ -212,11 +213,11 @@ def _rename_inputs(graph: onnx.GraphProto, mapping: dict[str, str]) -> None:
 
 def _merge_once(model: onnx.ModelProto, op: str) -> int:
     """Merge ``op`` nodes that read the same tensor with identical parameters; return how many went."""
-    g = _Graph(model)
+    g = QDQGraph(model)
     groups: dict[tuple, list[onnx.NodeProto]] = defaultdict(list)
     for n in g.nodes:
         if n.op_type == op and n.input and n.input[0]:
-            key = _qkey(g, n)
+            key = qkey(g, n)
             if key is not None:
                 groups[(g.canon(n.input[0]), key)].append(n)
     mapping: dict[str, str] = {}
@@ -272,7 +273,7 @@ def dedupe_qdq(model: ModelLike) -> tuple[onnx.ModelProto, int]:
     parameters collapse to one. Outputs are unchanged bit for bit. Returns (new model, nodes removed).
     The input model is not modified.
     """
-    src = _load(model)
+    src = as_model(model)
     out = onnx.ModelProto()
     out.CopyFrom(src)
     candidates = {i for n in out.graph.node if n.op_type in (Q, DQ) for i in n.input[1:] if i}
@@ -316,7 +317,7 @@ def _prune_dead(graph: onnx.GraphProto, keep: set[str]) -> None:
 # ---------------------------------------------------------------------------------------------
 
 def _qdq_signature(model: onnx.ModelProto) -> dict:
-    g = _Graph(model)
+    g = QDQGraph(model)
     sig: dict[str, list] = {Q: [], DQ: []}
     for n in g.nodes:
         if n.op_type in sig:
@@ -377,7 +378,7 @@ def _value_info(v: onnx.ValueInfoProto) -> dict:
 def graph_io(model: ModelLike) -> dict:
     """Opset and inputs / outputs (name, dims as ints, symbolic names or None when unknown, dtype) of a
     graph. JSON-serialisable."""
-    m = _load(model)
+    m = as_model(model)
     inits = {t.name for t in m.graph.initializer}
     return {
         "opset": next((o.version for o in m.opset_import if o.domain in ("", "ai.onnx")), None),

@@ -78,14 +78,14 @@ class _Taps:
     """Captures the outputs of chosen layers during a forward pass."""
 
     def __init__(self, model: nn.Module, indices: Sequence[int]):
-        from utils.qat.quantize.rules import _tensors
+        from utils.qat.quantize.rules import flat_tensors
         self.outputs: dict[int, list[torch.Tensor]] = {}
-        self._tensors = _tensors
+        self.flat_tensors = flat_tensors
         self.hooks = [model.model[i].register_forward_hook(self._hook(i)) for i in indices]
 
     def _hook(self, i):
         def hook(module, args, output):
-            self.outputs[i] = self._tensors(output)
+            self.outputs[i] = self.flat_tensors(output)
         return hook
 
     def close(self):

@@ -59,8 +59,8 @@ def _levels(out) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Split a training-form head output into detection level maps (B x no x H x W) and other tensors
     (mask coefficients, prototypes). Works for Detect/DDetect (list of levels), DualDDetect ([d1, d2]),
     Segment/DSegment ((levels, mc, p)) and DualDSegment (([d1, d2], [mc1, mc2], [p1, p2]))."""
-    from utils.qat.quantize.rules import _tensors
-    tensors = _tensors(out)
+    from utils.qat.quantize.rules import flat_tensors
+    tensors = flat_tensors(out)
     return [t for t in tensors if t.dim() == 4], [t for t in tensors if t.dim() != 4]
 
 
@@ -140,5 +140,5 @@ def task_loss_fn(model: nn.Module, hyp: dict | None):
 
 
 def out_batch(out) -> int:
-    from utils.qat.quantize.rules import _tensors
-    return int(_tensors(out)[0].shape[0])
+    from utils.qat.quantize.rules import flat_tensors
+    return int(flat_tensors(out)[0].shape[0])

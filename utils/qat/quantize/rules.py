@@ -160,17 +160,18 @@ class _FlowRecorder(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if getattr(func, "__name__", "") in SCALE_TRANSPARENT:
-            self.links.append((_tensors((args, kwargs)), _tensors(out)))
+            self.links.append((flat_tensors((args, kwargs)), flat_tensors(out)))
         return out
 
 
-def _tensors(obj) -> list[torch.Tensor]:
+def flat_tensors(obj) -> list[torch.Tensor]:
+    """Every tensor in a module's output (nested lists, tuples and dicts), in order."""
     if isinstance(obj, torch.Tensor):
         return [obj]
     if isinstance(obj, (list, tuple)):
-        return [t for o in obj for t in _tensors(o)]
+        return [t for o in obj for t in flat_tensors(o)]
     if isinstance(obj, dict):
-        return [t for o in obj.values() for t in _tensors(o)]
+        return [t for o in obj.values() for t in flat_tensors(o)]
     return []
 
 
