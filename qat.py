@@ -46,7 +46,8 @@ def _common(p: argparse.ArgumentParser, project: str) -> None:
 
 
 def _calibration(p: argparse.ArgumentParser, task: str) -> None:
-    from utils.qat.quantize.config import CALIB_METHODS, DEFAULT_CALIB_METHODS, DEFAULT_HEAD_AMAX, DEFAULT_PERCENTILE, HEAD_AMAX
+    from utils.qat.quantize.config import (CALIB_METHODS, DEFAULT_CALIB_METHODS, DEFAULT_HEAD_AMAX, DEFAULT_HEAD_BATCHES,
+                                           DEFAULT_PERCENTILE, DEFAULT_TIE, HEAD_AMAX, TIES)
     p.add_argument("--calib-method", choices=CALIB_METHODS, default=DEFAULT_CALIB_METHODS[task],
                    help="activation calibration (weights are always per-channel max; default: %(default)s). mse-image "
                         "runs the MSE search with every image weighted alike, so a few images with far larger "
@@ -60,6 +61,13 @@ def _calibration(p: argparse.ArgumentParser, task: str) -> None:
     p.add_argument("--head-amax", choices=HEAD_AMAX, default=DEFAULT_HEAD_AMAX,
                    help="the detect head's input scales: as calibrated, or searched after calibration for the "
                         "lowest error of the head's outputs against the FP head (a few seconds on a GPU)")
+    p.add_argument("--head-batches", type=int, default=DEFAULT_HEAD_BATCHES,
+                   help="--head-amax search: the calibration batches each candidate scale is scored on "
+                        "(default: %(default)s)")
+    p.add_argument("--tie", choices=TIES, default=DEFAULT_TIE,
+                   help="the one scale of tensors TensorRT needs on one scale (a Concat's inputs, MaxPool): max = "
+                        "the largest of their calibrated amax, mse = the least squared error over all of them "
+                        "(histogram methods; default: %(default)s)")
     p.add_argument("--seed", type=int, default=57,
                    help="seeds the fine-tuning: the order of the training images and the random streams of their "
                         "augmentation (runs with the same seed and --workers repeat; docs/QAT.md 'GELAN-C run to run, "
@@ -68,7 +76,7 @@ def _calibration(p: argparse.ArgumentParser, task: str) -> None:
 
 def _finetuning(p: argparse.ArgumentParser) -> None:
     from utils.qat.quantize.objectives import OBJECTIVES
-    from utils.qat.quantize.finetune import OPTIMIZERS, QATConfig
+    from utils.qat.quantize.finetune import EMA_RAMPS, OPTIMIZERS, QATConfig
     d = QATConfig()
     p.add_argument("--epochs", type=int, default=d.epochs, help="QAT epochs (default: %(default)s)")
     p.add_argument("--iters", type=int, default=d.iters,
@@ -84,6 +92,10 @@ def _finetuning(p: argparse.ArgumentParser) -> None:
                    help="linear warm-up steps before the cosine decay (default: %(default)s)")
     p.add_argument("--ema", type=float, default=d.ema,
                    help="decay of the moving average of the weights that is evaluated and saved; 0 = off "
+                        "(default: %(default)s)")
+    p.add_argument("--ema-ramp", choices=list(EMA_RAMPS), default=d.ema_ramp,
+                   help="how the average starts: fast = decay (1+n)/(10+n) after n steps (under 0.99 for the first "
+                        "890 steps), uniform = the mean of every step so far until it spans 1/(1-ema) steps "
                         "(default: %(default)s)")
     p.add_argument("--supervision-stride", type=int, default=d.supervision_stride,
                    help="--qat-loss features/mse: distil every N-th block output")
@@ -108,7 +120,7 @@ def qat_config(args) -> QATConfig:
     from utils.qat.quantize.finetune import QATConfig
     return QATConfig(epochs=args.epochs, iters=args.iters, lr=args.lr, objective=args.qat_loss,
                      optimizer=args.optimizer, weight_decay=args.weight_decay, warmup=args.warmup,
-                     ema=args.ema, supervision_stride=args.supervision_stride, amax_lr=args.amax_lr,
+                     ema=args.ema, ema_ramp=args.ema_ramp, supervision_stride=args.supervision_stride, amax_lr=args.amax_lr,
                      bias_lr=args.bias_lr, box_gain=args.box_gain, mask_gain=args.mask_gain,
                      cuda_graph=args.cuda_graph)
 
@@ -161,7 +173,8 @@ def quant_config(args) -> QuantConfig:
     """The calibration settings of a ``quantize`` or ``sensitive`` command line."""
     from utils.qat.quantize.config import QuantConfig
     return QuantConfig(method=args.calib_method, percentile=args.percentile,
-                       skip=tuple(getattr(args, "skip_layers", "").split(",")), head_amax=args.head_amax)
+                       skip=tuple(getattr(args, "skip_layers", "").split(",")), head_amax=args.head_amax,
+                       tie=args.tie, head_batches=args.head_batches)
 
 
 def _score(args, data: dict, device) -> Evaluation:

@@ -71,6 +71,7 @@ FLAGS: dict[str, Range] = {
     "--max-det": Range(1),
     # calibration and QAT (qat.py quantize / sensitive)
     "--calib-batches": Range(1),
+    "--head-batches": Range(1),
     "--percentile": Range(0, 100, low_open=True, hint="e.g. 99.99"),
     "--seed": Range(0, 2**32 - 1),
     "--epochs": Range(1, hint=_PTQ_ONLY),

@@ -9,8 +9,11 @@ calibrators' internals (their histograms); where a quantizer keeps its amax is `
   Python: ``mse_amax`` in ``utils/qat/quantize/mse.py``, ``entropy_amax`` here).
 - ``mse-image``: the same MSE search over histograms in which every image weighs alike
   (``utils/qat/quantize/image_hist.py``), collected by this module's hooks instead of modelopt's calibrators.
-- Then the quantizers that must share one scale (``utils/qat/quantize/rules.scale_groups``) get their
-  group's largest amax; the groups are returned (``QuantInfo.scale_groups``).
+- Then the quantizers that must share one scale (``utils/qat/quantize/rules.scale_groups``) get one amax:
+  the group's largest (``tie="max"``), or the value with the least squared error summed over every member's
+  histogram (``tie="mse"``: ``group_mse_amax``), which lets a member with a far wider range be clipped where
+  that costs the group less than the resolution lost by the others; the groups are returned
+  (``QuantInfo.scale_groups``).
 
 In a multi-GPU run rank 0 calibrates alone, on the global batches (what one process reads), and sends
 its amax and groups to the other ranks: every rank ends with one process's quantizers exactly
@@ -26,9 +29,9 @@ from torch import nn
 
 from utils.qat.quantize import rules
 from utils.qat.quantize.config import QuantConfig
-from utils.qat.quantize.head import SEARCH_BATCHES, search_head_amax
+from utils.qat.quantize.head import search_head_amax
 from utils.qat.quantize.image_hist import ImageHistograms
-from utils.qat.quantize.mse import mse_amax
+from utils.qat.quantize.mse import group_mse_amax, mse_amax
 from utils.qat.quantize.state import amax_state, amax_vector, collecting, enabled_quantizers, load_amax, quantizers_off
 from utils.qat.core import distributed
 from utils.qat.core.errors import QATError
@@ -81,7 +84,7 @@ def _calibrate(model: nn.Module, batches: Iterable[torch.Tensor], config: QuantC
                 model(images)
                 if example is None:
                     example = images[:1]
-                if config.head_amax == "search" and len(kept) < SEARCH_BATCHES:
+                if config.head_amax == "search" and len(kept) < config.head_batches:
                     kept.append(images)
                 seen += 1
                 if num_batches is not None and seen >= num_batches:
@@ -98,10 +101,24 @@ def _calibrate(model: nn.Module, batches: Iterable[torch.Tensor], config: QuantC
     finally:
         hists.close()
         model.train(training)
-    groups = rules.scale_groups(model, example)
-    rules.tie_scales(model, groups)
+    groups = rules.scale_groups(model, example)  # the calibrators keep their histograms for tie="mse"
+    rules.tie_scales(model, groups, _group_amax(model) if config.tie == "mse" else None)
     search = search_head_amax(model, kept, groups) if config.head_amax == "search" else {}
     return groups, search
+
+
+def _group_amax(model: nn.Module):
+    """``tie="mse"``: the amax of a group from its members' histograms (modelopt's calibrators; a group with a
+    member that has none, as with ``max`` or ``mse-image``, keeps the largest amax)."""
+    modules = dict(model.named_modules())
+
+    def amax(group: list[str]) -> torch.Tensor | None:
+        calibrators = [getattr(modules[n], "_calibrator", None) for n in group]
+        if not all(isinstance(c, HistogramCalibrator) and c._calib_hist is not None for c in calibrators):
+            return None
+        return group_mse_amax([(c._calib_hist, c._calib_bin_edges) for c in calibrators], calibrators[0]._num_bits,
+                              calibrators[0]._unsigned)
+    return amax
 
 
 def histogram_amax(calibrator: HistogramCalibrator, method: str, percentile: float) -> torch.Tensor:

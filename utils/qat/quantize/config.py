@@ -24,6 +24,9 @@ DEFAULT_PERCENTILE = 99.99
 HEAD_AMAX = ("calibrated", "search")  # the detect head's input scales: as calibrated, or searched (head.py)
 # GELAN-C and GELAN-S end best from the searched scales (docs/QAT.md "The head's scales searched, then QAT")
 DEFAULT_HEAD_AMAX = "search"
+TIES = ("max", "mse")  # one amax for a shared-scale group: its members' largest, or the group's least squared error
+DEFAULT_TIE = "max"
+DEFAULT_HEAD_BATCHES = 4  # calibration batches the head search scores each candidate on
 
 
 @dataclass(frozen=True)
@@ -31,17 +34,24 @@ class QuantConfig:
     """The settings of a quantization: the activation calibration method (weights are always per-channel
     max), the percentile (``method="percentile"``) and the layers kept in FP (``--skip-layers`` items: layer
     indices of ``model.model`` or module-name patterns), and how the detect head's input scales are chosen
-    (``head_amax``: ``calibrated`` like every other, or ``search``ed by the head's output error)."""
+    (``head_amax``: ``calibrated`` like every other, or ``search``ed by the head's output error, scoring each
+    candidate on ``head_batches`` calibration batches), and how a shared-scale group gets its one amax (``tie``:
+    ``max``, its members' largest; ``mse``, the value with the least squared error summed over the members'
+    histograms)."""
     method: str = DEFAULT_CALIB_METHOD
     percentile: float = DEFAULT_PERCENTILE
     skip: tuple[str, ...] = ()
     head_amax: str = DEFAULT_HEAD_AMAX
+    tie: str = DEFAULT_TIE
+    head_batches: int = DEFAULT_HEAD_BATCHES
 
     def __post_init__(self) -> None:
         if self.method not in CALIB_METHODS:
             raise QATError(f"unknown calibration method '{self.method}'; choose one of {', '.join(CALIB_METHODS)}.")
         if self.head_amax not in HEAD_AMAX:
             raise QATError(f"unknown --head-amax '{self.head_amax}'; choose one of {', '.join(HEAD_AMAX)}.")
+        if self.tie not in TIES:
+            raise QATError(f"unknown --tie '{self.tie}'; choose one of {', '.join(TIES)}.")
         object.__setattr__(self, "skip", tuple(str(s).strip() for s in self.skip if str(s).strip()))
 
 
@@ -59,13 +69,15 @@ class QuantInfo:
     def to_dict(self) -> dict:
         """The checkpoint's ``quant`` entry (flat, as checkpoints have always stored it)."""
         return {"calib_method": self.config.method, "percentile": self.config.percentile,
-                "skip": list(self.config.skip), "head_amax": self.config.head_amax, "fp_patterns": list(self.fp_patterns),
+                "skip": list(self.config.skip), "head_amax": self.config.head_amax, "tie": self.config.tie,
+                "head_batches": self.config.head_batches, "fp_patterns": list(self.fp_patterns),
                 "scale_groups": [list(g) for g in self.scale_groups], "head_search": dict(self.head_search)}
 
     @classmethod
     def from_dict(cls, d: dict) -> QuantInfo:
         config = QuantConfig(method=d.get("calib_method", DEFAULT_CALIB_METHOD),
                              percentile=d.get("percentile", DEFAULT_PERCENTILE), skip=tuple(d.get("skip", ())),
-                             head_amax=d.get("head_amax", "calibrated"))  # older checkpoints: no search
+                             head_amax=d.get("head_amax", "calibrated"),  # older checkpoints: no search
+                             tie=d.get("tie", "max"), head_batches=d.get("head_batches", DEFAULT_HEAD_BATCHES))
         return cls(config, fp_patterns=list(d.get("fp_patterns", ())),
                    scale_groups=[list(g) for g in d.get("scale_groups", ())], head_search=dict(d.get("head_search", {})))

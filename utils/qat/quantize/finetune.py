@@ -45,6 +45,10 @@ class QATConfig:
     final_lr_ratio: float = 0.01
     supervision_stride: int = 1  # ``features`` / ``mse``: every N-th block output (plus the last)
     ema: float = 0.99  # decay of an exponential moving average of the weights (0: off); evaluated and kept
+    # how the average starts (EMA_RAMPS): "fast", decay (1 + n) / (10 + n) after n steps, which stays under 0.99
+    # for 890 steps (about the last 1/9 of the steps so far); "uniform", n / (n + 1), the plain mean of every
+    # step so far until it spans 1 / (1 - ema) steps
+    ema_ramp: str = "fast"
     amax_lr: float = 1e-3  # learn activation amax (LSQ) at this rate relative to each amax; 0: calibrated amax kept
     bias_lr: float = 1.0  # the biases' learning rate is lr times this
     box_gain: float = 1.0  # weight of the head objective's box term (head.box)
@@ -255,7 +259,7 @@ class QATStep:
         self.autocast = ((lambda: torch.autocast(device.type, dtype=torch.float16, cache_enabled=False)) if amp
                          else contextlib.nullcontext)
         self.student = _distributed(model, device, every_parameter_used="features" not in self.terms or len(self.terms) > 1)
-        self.ema = _EMA(model, config.ema) if config.ema > 0 else None
+        self.ema = _EMA(model, config.ema, config.ema_ramp) if config.ema > 0 else None
         self.student_taps, self.teacher_taps = _Taps(model, self.tapped), _Taps(teacher, self.tapped)
         self.graph: StepGraph | None = None
         if config.cuda_graph and device.type == "cuda" and not distributed.active() and self.task is None:
@@ -331,13 +335,16 @@ class QATStep:
             self.learned.release()
 
 
+EMA_RAMPS = {"fast": lambda n: (1 + n) / (10 + n), "uniform": lambda n: n / (n + 1)}
+
+
 class _EMA:
     """Exponential moving average of the trainable parameters (upstream's ModelEMA idea, for fine-tuning):
-    the decay ramps up as ``min(decay, (1 + n) / (10 + n))`` after n updates. Quantizer amax and other
+    the decay after n updates is ``min(decay, ramp(n))`` (:data:`EMA_RAMPS`). Quantizer amax and other
     buffers are not averaged (they do not change during QAT)."""
 
-    def __init__(self, model: nn.Module, decay: float):
-        self.decay, self.updates = decay, 0
+    def __init__(self, model: nn.Module, decay: float, ramp: str = "fast"):
+        self.decay, self.updates, self.ramp = decay, 0, EMA_RAMPS[ramp]
         self.params = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
         self._pairs: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
 
@@ -346,7 +353,7 @@ class _EMA:
         """Multi-tensor operations over all parameters (a few kernels in all, not two per parameter); the same
         arithmetic as ``mul_(d).add_(p, alpha=1 - d)`` per parameter."""
         self.updates += 1
-        d = min(self.decay, (1 + self.updates) / (10 + self.updates))
+        d = min(self.decay, self.ramp(self.updates))
         if self._pairs is None:  # the model's parameter objects are fixed during fine-tuning
             named = dict(model.named_parameters())
             self._pairs = list(self.params.values()), [named[n].detach() for n in self.params]

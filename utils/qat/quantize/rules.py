@@ -16,7 +16,7 @@ This works for every model size, the dual-head yolov9-* models and custom yamls 
 from __future__ import annotations
 
 import fnmatch
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.nn as nn
@@ -229,15 +229,20 @@ def scale_groups(model: nn.Module, example: torch.Tensor) -> list[list[str]]:
     return [sorted(g) for g in groups.values() if len(g) > 1]
 
 
-def tie_scales(model: nn.Module, groups: list[list[str]]) -> int:
-    """Give every quantizer of a group the group's largest amax. Returns the number of groups tied."""
+def tie_scales(model: nn.Module, groups: list[list[str]],
+               group_amax: Callable[[list[str]], torch.Tensor | None] | None = None) -> int:
+    """Give every quantizer of a group one amax: ``group_amax(group)`` where it gives one, else the group's
+    largest. Returns the number of groups tied."""
     modules = dict(model.named_modules())
     for group in groups:
         amaxes = [modules[n].amax for n in group]
         if any(a is None for a in amaxes):
             missing = [n for n, a in zip(group, amaxes) if a is None]
             raise RuntimeError(f"quantizers without amax (not calibrated): {missing}")
-        shared = torch.stack([a.detach().float().max() for a in amaxes]).max()
+        shared = group_amax(group) if group_amax is not None else None
+        if shared is None:
+            shared = torch.stack([a.detach().float().max() for a in amaxes]).max()
+        shared = shared.to(amaxes[0].device)
         for n in group:
             modules[n].amax = shared.clone()
     return len(groups)
