@@ -1,6 +1,7 @@
 """qat.py quantize | sensitive | eval, run the way users run them, on the embedded model and data."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 
@@ -72,9 +73,58 @@ def test_quantize_report(yolov9_tree, quantize_run):
     md = (run / "report.md").read_text()
     assert "| Origin |" in md and "INT8 QAT vs Origin" in md and "INT8 PTQ vs Origin" in md
     assert "INT8 QAT vs Origin" in r.stdout  # the console shows the same table
+    # every stage scored on the two halves of the evaluation images too
+    stages = [origin, ptq, *report["epochs"]]
+    assert all(set(s["halves"]) == {"even", "odd"} and all(0 <= v <= 1 for v in s["halves"].values()) for s in stages)
     for stage in ("Origin", "calibration", "PTQ", "QAT", "QAT epoch 1"):  # each stage's dataset scan: one line
         scans = [line for line in r.stderr.replace("\r", "\n").splitlines() if line.startswith(f"{stage}: Scanning ")]
         assert len(scans) == 1, (stage, scans)
+
+
+def test_halves_split_the_per_image_stats():
+    """The halves alternate over the images sorted by path, and each half is scored from its own images' stats:
+    a perfect image in the even half and a wrong-class one in the odd half give AP 0.995 (upstream's 101-point
+    AP of one perfect detection) and 0, the whole set lies between."""
+    from utils.qat.evaluation.evaluate import ImageStats, half_of, score_images, split_halves
+    assert half_of(["b.jpg", "a.jpg", "c.jpg", "b.jpg"]) == ["odd", "even", "even", "odd"]
+    hit = torch.ones(1, 10, dtype=torch.bool)
+    images = [ImageStats("im/b.jpg", (~hit, torch.tensor([0.9]), torch.tensor([1.0]), torch.tensor([0.0]))),
+              ImageStats("im/a.jpg", (hit, torch.tensor([0.8]), torch.tensor([0.0]), torch.tensor([0.0]))),
+              ImageStats("im/c.jpg")]  # no prediction, no label: counted as an image, adds no stats
+    names = {0: "zero", 1: "one"}
+    halves = split_halves(images, names, masks=False)
+    assert halves["even"].images == 2 and halves["odd"].images == 1
+    assert halves["even"].mAP50_95 == pytest.approx(0.995) and halves["odd"].mAP50_95 == 0
+    assert 0 < score_images(images, names, masks=False).mAP50_95 < 0.995
+    seg = split_halves([ImageStats(i.path, i.box, i.box) for i in images], names, masks=True)
+    assert seg["even"].mask.mAP50_95 == pytest.approx(0.995) and seg["even"].mAP50_95 == seg["even"].mask.mAP50_95
+
+
+def test_halves_equal_evaluating_each_half(shapes, tmp_path):
+    """A half's AP from the one evaluation equals evaluating that half's images alone (batch 1, so that no
+    image's letterbox depends on the others)."""
+    import os
+
+    from utils.qat.evaluation.backends import TorchBackend
+    from utils.qat.evaluation.data import load_data_yaml
+    from utils.qat.evaluation.evaluate import evaluate, half_of
+    from utils.qat.model import checkpoint
+    model = checkpoint.load_fp(QS)
+    data = load_data_yaml(shapes)
+    run = functools.partial(evaluate, TorchBackend(model, torch.device("cpu")), imgsz=64, batch_size=1, workers=0)
+    whole = run(data)
+    images = sorted((shapes.parent / "images" / "val").iterdir())
+    for half in ("even", "odd"):
+        folder = tmp_path / half / "images" / "val"
+        folder.mkdir(parents=True)
+        (tmp_path / half / "labels").mkdir()
+        os.symlink(shapes.parent / "labels" / "val", tmp_path / half / "labels" / "val")
+        for image, h in zip(images, half_of([str(p) for p in images])):
+            if h == half:
+                (folder / image.name).symlink_to(image)
+        alone = run({**data, "val": str(folder)})
+        assert alone.images == whole.halves[half].images == len(images) // 2
+        assert alone.mAP50_95 == pytest.approx(whole.halves[half].mAP50_95, abs=1e-9), half
 
 
 @pytest.mark.slow

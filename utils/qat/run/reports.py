@@ -62,10 +62,18 @@ def entry(name: str, weights: str | Path | None, metrics: Metrics, seconds: floa
     row = {"name": name, "weights": str(weights) if weights else None,
            **{key: round(getattr(metrics.primary, f), 4) for f, key in KEYS.items()},
            "images": metrics.images, "seconds": round(seconds, 1)}
+    if metrics.halves:
+        row["halves"] = halves(metrics)
     if metrics.mask is not None:
         for group, scores in zip(SEG_GROUPS, (metrics.box, metrics.mask)):
             row[group] = {key: round(getattr(scores, f), 4) for f, key in GROUP_KEYS.items()}
     return {**row, **extra}
+
+
+def halves(metrics: Metrics) -> dict[str, float]:
+    """AP (the primary mAP50-95) of each half of the evaluated images (``evaluate.half_of``: sorted by path,
+    alternately even and odd), from the evaluation's own per-image statistics."""
+    return {h: round(m.mAP50_95, 4) for h, m in metrics.halves.items()}
 
 
 def per_class(metrics: Metrics) -> dict:
