@@ -5,7 +5,8 @@
 
 It keeps the run folder ``out`` current after every stage: the checkpoints in ``out/weights`` (``ptq_*``,
 ``qat_ep_*``, ``qat_best_*``), report.json / report.md / qat_ap.png, and prints the tables. Every evaluation
-records its AP on the two halves of the evaluation images too (``halves``). report.json and
+records its AP on the two halves of the evaluation images too (``halves``), and report.json's ``selection`` says
+which stage ``qat_best`` holds, the last epoch, and the selection-free pick (``reports.selection``). report.json and
 every checkpoint record ``arguments``: everything the run was given (for the CLI, every flag's value), and
 ``provenance``: the weights file and its sha256, the toolkit's version and commit (``utils.qat.core.provenance``).
 """
@@ -75,6 +76,8 @@ class RunRecorder:
         self.finetuned = False
 
     def save_report(self) -> None:
+        if self.epochs:
+            self.meta["selection"] = reports.selection(self.rows, self.epochs, self.best_epoch)
         reports.write_report(self.out, self.rows, self.epochs, self.title, **self.meta)
 
     def _save(self, path: Path, qmodel: nn.Module, info: QuantInfo, epoch: int, metrics: dict | None) -> None:
@@ -131,5 +134,8 @@ class RunRecorder:
             self.save_report()
             print(f"best QAT model (epoch {self.best_epoch}) saved to {self.best_path}")
         print_table(self.rows)
+        if self.meta.get("selection"):
+            print()
+            print(reports.selection_table(self.meta["selection"]))
         print(f"\nresults in {self.out}: report.md, report.json{', qat_ap.png' if self.epochs else ''}, weights/")
         return self.out
