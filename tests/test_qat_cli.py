@@ -1,6 +1,7 @@
 """qat.py quantize | sensitive | eval, run the way users run them, on the embedded model and data."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 
@@ -72,9 +73,111 @@ def test_quantize_report(yolov9_tree, quantize_run):
     md = (run / "report.md").read_text()
     assert "| Origin |" in md and "INT8 QAT vs Origin" in md and "INT8 PTQ vs Origin" in md
     assert "INT8 QAT vs Origin" in r.stdout  # the console shows the same table
+    # every stage scored on the two halves of the evaluation images too, and the selection block built from them
+    stages = [origin, ptq, *report["epochs"]]
+    assert all(set(s["halves"]) == {"even", "odd"} and all(0 <= v <= 1 for v in s["halves"].values()) for s in stages)
+    _check_selection(report)
+    assert "## Selection" in md and "| selection-free | even half | odd half |" in md
+    assert "| best (`qat_best`) | all images |" in r.stdout and "| selection-free, mean |" in r.stdout
     for stage in ("Origin", "calibration", "PTQ", "QAT", "QAT epoch 1"):  # each stage's dataset scan: one line
         scans = [line for line in r.stderr.replace("\r", "\n").splitlines() if line.startswith(f"{stage}: Scanning ")]
         assert len(scans) == 1, (stage, scans)
+
+
+def _check_selection(report: dict) -> None:
+    """report.json's ``selection`` agrees with its rows and epochs: best is the stage qat_best holds (the QAT row's
+    epoch), last the last epoch, each selection-free pick the first stage with the highest AP on its choosing half,
+    scored with that stage's, Origin's and PTQ's AP on the other half, and the mean of both ways."""
+    sel, named = report["selection"], {m["name"]: m for m in report["models"]}
+    origin, ptq = named["Origin"], named["PTQ"]
+    stages = [{"epoch": 0, **ptq}] + report["epochs"]
+    assert sel["best"]["epoch"] == named["QAT"]["epoch"] and sel["best"]["AP"] == named["QAT"]["AP"]
+    assert sel["best"]["chosen_on"] == sel["best"]["scored_on"] == "all"  # chosen on the images it is scored on
+    assert sel["last"]["epoch"] == report["epochs"][-1]["epoch"] and sel["last"]["AP"] == report["epochs"][-1]["AP"]
+    free = sel["selection_free"]
+    for chosen, scored in (("even", "odd"), ("odd", "even")):
+        pick = free[f"{chosen}_to_{scored}"]
+        top = max(stages, key=lambda s: s["halves"][chosen])
+        assert pick["epoch"] == top["epoch"] and pick["AP"] == top["halves"][scored]
+        assert pick["Origin"] == origin["halves"][scored] and pick["PTQ"] == ptq["halves"][scored]
+    for key in ("AP", "Origin", "PTQ"):
+        assert free["mean"][key] == pytest.approx((free["even_to_odd"][key] + free["odd_to_even"][key]) / 2, abs=1e-4)
+
+
+def test_halves_split_the_per_image_stats():
+    """The halves alternate over the images sorted by path, and each half is scored from its own images' stats:
+    a perfect image in the even half and a wrong-class one in the odd half give AP 0.995 (upstream's 101-point
+    AP of one perfect detection) and 0, the whole set lies between."""
+    from utils.qat.evaluation.evaluate import ImageStats, half_of, score_images, split_halves
+    assert half_of(["b.jpg", "a.jpg", "c.jpg", "b.jpg"]) == ["odd", "even", "even", "odd"]
+    hit = torch.ones(1, 10, dtype=torch.bool)
+    images = [ImageStats("im/b.jpg", (~hit, torch.tensor([0.9]), torch.tensor([1.0]), torch.tensor([0.0]))),
+              ImageStats("im/a.jpg", (hit, torch.tensor([0.8]), torch.tensor([0.0]), torch.tensor([0.0]))),
+              ImageStats("im/c.jpg")]  # no prediction, no label: counted as an image, adds no stats
+    names = {0: "zero", 1: "one"}
+    halves = split_halves(images, names, masks=False)
+    assert halves["even"].images == 2 and halves["odd"].images == 1
+    assert halves["even"].mAP50_95 == pytest.approx(0.995) and halves["odd"].mAP50_95 == 0
+    assert 0 < score_images(images, names, masks=False).mAP50_95 < 0.995
+    seg = split_halves([ImageStats(i.path, i.box, i.box) for i in images], names, masks=True)
+    assert seg["even"].mask.mAP50_95 == pytest.approx(0.995) and seg["even"].mAP50_95 == seg["even"].mask.mAP50_95
+
+
+def test_selection_on_hand_made_reports(tmp_path):
+    """reports.selection: PTQ competes (qat_best may hold it: epoch 0), ties go to the earlier stage, a choice on
+    one half is scored on the other beside Origin and PTQ there; without an evaluated PTQ model the epochs alone
+    compete and the PTQ columns stay empty. val_trt.py's add_row keeps the block and its table."""
+    from utils.qat.run import reports
+    scores = {"AP50": 0.6, "Precision": 0.7, "Recall": 0.4}
+    origin = {"name": "Origin", "AP": 0.50, **scores, "halves": {"even": 0.52, "odd": 0.48}}
+    ptq = {"name": "PTQ", "AP": 0.47, **scores, "halves": {"even": 0.49, "odd": 0.45}}
+    epochs = [{"epoch": 1, "AP": 0.46, "halves": {"even": 0.50, "odd": 0.44}},
+              {"epoch": 2, "AP": 0.46, "halves": {"even": 0.47, "odd": 0.46}},
+              {"epoch": 3, "AP": 0.45, "halves": {"even": 0.50, "odd": 0.46}}]
+    sel = reports.selection([origin, ptq], epochs, best_epoch=0)
+    assert (sel["best"]["stage"], sel["best"]["AP"]) == ("PTQ", 0.47) and sel["last"]["epoch"] == 3
+    even, odd = sel["selection_free"]["even_to_odd"], sel["selection_free"]["odd_to_even"]
+    assert (even["epoch"], even["AP"], even["Origin"], even["PTQ"]) == (1, 0.44, 0.48, 0.45)  # 1 ties 3: earlier
+    assert (odd["epoch"], odd["AP"], odd["Origin"], odd["PTQ"]) == (2, 0.47, 0.52, 0.49)
+    assert sel["selection_free"]["mean"] == {"AP": 0.455, "Origin": 0.5, "PTQ": 0.47}
+    table = reports.selection_table(sel)
+    assert "| selection-free | even half | odd half | QAT epoch 1 | 0.4400 | 0.4800 | 0.4500 | -0.0400 | -0.0100 |" in table
+    no_ptq = reports.selection([origin], epochs, best_epoch=1)
+    assert no_ptq["best"]["PTQ"] is None and no_ptq["selection_free"]["even_to_odd"]["epoch"] == 1
+    assert "| best (`qat_best`) | all images | all images | QAT epoch 1 | 0.4600 | 0.5000 |  | -0.0400 |  |" in \
+        reports.selection_table(no_ptq)
+    assert reports.selection([origin, ptq], [], best_epoch=0) is None  # --ptq-only: nothing was selected
+    reports.write_report(tmp_path, [origin, ptq], epochs, "t", selection=sel)
+    reports.add_row(tmp_path / "report.json", {"name": "INT8 onnxruntime", "AP": 0.46, **scores})
+    assert json.loads((tmp_path / "report.json").read_text())["selection"] == sel
+    assert table in (tmp_path / "report.md").read_text()
+
+
+def test_halves_equal_evaluating_each_half(shapes, tmp_path):
+    """A half's AP from the one evaluation equals evaluating that half's images alone (batch 1, so that no
+    image's letterbox depends on the others)."""
+    import os
+
+    from utils.qat.evaluation.backends import TorchBackend
+    from utils.qat.evaluation.data import load_data_yaml
+    from utils.qat.evaluation.evaluate import evaluate, half_of
+    from utils.qat.model import checkpoint
+    model = checkpoint.load_fp(QS)
+    data = load_data_yaml(shapes)
+    run = functools.partial(evaluate, TorchBackend(model, torch.device("cpu")), imgsz=64, batch_size=1, workers=0)
+    whole = run(data)
+    images = sorted((shapes.parent / "images" / "val").iterdir())
+    for half in ("even", "odd"):
+        folder = tmp_path / half / "images" / "val"
+        folder.mkdir(parents=True)
+        (tmp_path / half / "labels").mkdir()
+        os.symlink(shapes.parent / "labels" / "val", tmp_path / half / "labels" / "val")
+        for image, h in zip(images, half_of([str(p) for p in images])):
+            if h == half:
+                (folder / image.name).symlink_to(image)
+        alone = run({**data, "val": str(folder)})
+        assert alone.images == whole.halves[half].images == len(images) // 2
+        assert alone.mAP50_95 == pytest.approx(whole.halves[half].mAP50_95, abs=1e-9), half
 
 
 @pytest.mark.slow

@@ -189,10 +189,14 @@ def test_qat_seg_report(seg_run):
     for group in ("Box", "Mask"):
         assert abs(ptq[group]["mAP50-95"] - origin[group]["mAP50-95"]) < 0.05
     assert qat["AP"] >= ptq["AP"]
-    assert {"AP", "box_AP"} <= set(report["epochs"][0])
+    assert {"AP", "box_AP", "halves"} <= set(report["epochs"][0])
+    sel = report["selection"]  # picks rank by the mask AP, on the full set and on each half
+    assert sel["best"]["AP"] == qat["Mask"]["mAP50-95"] and sel["best"]["Origin"] == origin["Mask"]["mAP50-95"]
+    free = sel["selection_free"]["even_to_odd"]
+    assert free["Origin"] == origin["halves"]["odd"] and free["PTQ"] == ptq["halves"]["odd"]
     md = (run / "report.md").read_text()
     assert "| Model | Box |" in md and "| | P | R | mAP50 | mAP50-95 | P | R | mAP50 | mAP50-95 |" in md
-    assert "INT8 PTQ vs Origin" in md and "| Comparison | Box |" in md
+    assert "INT8 PTQ vs Origin" in md and "| Comparison | Box |" in md and "| selection-free, mean |" in md
     assert "| Model | Box |" in r.stdout
     weights = sorted(p.name for p in (run / "weights").iterdir())
     assert "qat_best_gelan-qs-seg-shapes.pt" in weights and any(w.startswith("ptq_ap_") for w in weights)

@@ -9,12 +9,18 @@ checks them equal), so numbers from every backend compare with each other and wi
 The result, :class:`Metrics`, holds box :class:`Scores` and, for segmentation, mask scores. In code the
 number that ranks models is ``mAP50_95`` (mAP over IoU 0.50:0.95); report.json calls it ``AP``, and
 ``mAP50-95`` in its Box / Mask groups (``utils.qat.run.reports``).
+
+``Metrics.halves`` scores the two halves of the evaluated images from the same per-image statistics (no second
+pass): the images sorted by file path, alternately, positions 0, 2, 4, ... in ``even`` and 1, 3, 5, ... in
+``odd`` (:func:`half_of`). A checkpoint chosen on one half and scored on the other gets a score free of the
+choice (``utils.qat.run.reports.selection``).
 """
 from __future__ import annotations
 
 import functools
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -44,12 +50,14 @@ class Scores:
 
 @dataclass
 class Metrics:
-    """What one evaluation measured: ``box`` scores, ``mask`` scores for segmentation (None otherwise)."""
+    """What one evaluation measured: ``box`` scores, ``mask`` scores for segmentation (None otherwise);
+    ``halves``: the same scores of each half of the images (:data:`HALVES`, :func:`half_of`)."""
     box: Scores = field(default_factory=Scores)
     mask: Scores | None = None
     images: int = 0
     instances: int = 0
     seconds: float = 0.0
+    halves: dict[str, Metrics] = field(default_factory=dict)
 
     @property
     def primary(self) -> Scores:
@@ -59,6 +67,26 @@ class Metrics:
     # the primary numbers, as the callers that rank models (checkpoint names, epochs, benchmarks) read them
     mAP50 = property(lambda self: self.primary.mAP50)
     mAP50_95 = property(lambda self: self.primary.mAP50_95)
+
+
+@dataclass
+class ImageStats:
+    """One evaluated image: its file and its ``(correct, conf, pred_cls, target_cls)`` tuples for boxes and
+    masks (None: nothing to count, no prediction and no label)."""
+    path: str
+    box: tuple | None = None
+    mask: tuple | None = None
+
+
+#: The two halves of the evaluated images, by position in their sorted list of paths.
+HALVES = ("even", "odd")
+
+
+def half_of(paths: Sequence[str]) -> list[str]:
+    """The half of each image: ``even`` for positions 0, 2, 4, ... of the sorted distinct ``paths``, ``odd``
+    for 1, 3, 5, ... (the files alternate, so both halves sample every part of a folder alike)."""
+    position = {p: i for i, p in enumerate(sorted(set(paths)))}
+    return [HALVES[position[p] % 2] for p in paths]
 
 
 def val_batches(backend: Backend, data: dict, make_loader, *, imgsz: int, batch_size: int, workers: int,
@@ -103,8 +131,7 @@ def evaluate(backend: Backend, data: dict, *, task: str = "detect", imgsz: int =
     hooks = hooks_class(len(names), conf_thres=conf_thres, iou_thres=iou_thres, max_det=max_det,
                         save_json=bool(save_json))
     iouv = torch.linspace(0.5, 0.95, 10)
-    box_stats: list[tuple] = []
-    mask_stats: list[tuple] = []
+    images: list[ImageStats] = []
     jdict: list[dict] = []
     seen = 0
     start = time.time()
@@ -120,12 +147,12 @@ def evaluate(backend: Backend, data: dict, *, task: str = "detect", imgsz: int =
             in_image = targets[:, 0] == si
             labels = targets[in_image, 1:]
             nl, npr = labels.shape[0], det.shape[0]
+            image = ImageStats(str(paths[si]))
+            images.append(image)
             if npr == 0:
                 if nl:
-                    empty = (torch.zeros(0, len(iouv), dtype=torch.bool), torch.zeros(0), torch.zeros(0), labels[:, 0])
-                    box_stats.append(empty)
-                    if hooks.masks:
-                        mask_stats.append(empty)
+                    image.box = (torch.zeros(0, len(iouv), dtype=torch.bool), torch.zeros(0), torch.zeros(0), labels[:, 0])
+                    image.mask = image.box if hooks.masks else None
                 continue
             predn = det.clone()
             scale_boxes(im[si].shape[1:], predn[:, :4], shapes[si][0], shapes[si][1])
@@ -134,21 +161,35 @@ def evaluate(backend: Backend, data: dict, *, task: str = "detect", imgsz: int =
                 tbox = xywh2xyxy(labels[:, 1:5])
                 scale_boxes(im[si].shape[1:], tbox, shapes[si][0], shapes[si][1])
                 correct = match(box_iou(tbox, predn[:, :4]), labels[:, 0], det[:, 5], iouv)
-            box_stats.append((correct, det[:, 4], det[:, 5], labels[:, 0]))
+            image.box = (correct, det[:, 4], det[:, 5], labels[:, 0])
             correct_masks = hooks.image(si, det, labels, extra[0][in_image] if extra else None, iouv)
             if correct_masks is not None:
-                mask_stats.append((correct_masks, det[:, 4], det[:, 5], labels[:, 0]))
+                image.mask = (correct_masks, det[:, 4], det[:, 5], labels[:, 0])
             if save_json:
                 stem = Path(paths[si]).stem
                 jdict.extend(hooks.records(predn, int(stem) if stem.isnumeric() else stem, shapes[si]))
     seconds = time.time() - start
-    metrics = Metrics(images=seen, seconds=seconds)
-    metrics.box, metrics.instances = summarize(box_stats, names)
-    if hooks.masks:
-        metrics.mask = summarize(mask_stats, names)[0]
+    metrics = score_images(images, names, hooks.masks)
+    metrics.seconds = seconds
+    metrics.halves = split_halves(images, names, hooks.masks)
     if save_json:
         write_text(save_json, json.dumps(jdict))
     return metrics
+
+
+def score_images(images: Sequence[ImageStats], names: dict, masks: bool) -> Metrics:
+    """Box (and with ``masks``, mask) scores of ``images``, one ``ap_per_class`` each."""
+    metrics = Metrics(images=len(images))
+    metrics.box, metrics.instances = summarize([i.box for i in images if i.box is not None], names)
+    if masks:
+        metrics.mask = summarize([i.mask for i in images if i.mask is not None], names)[0]
+    return metrics
+
+
+def split_halves(images: Sequence[ImageStats], names: dict, masks: bool) -> dict[str, Metrics]:
+    """:func:`score_images` of each half of ``images`` (:func:`half_of`)."""
+    half = half_of([i.path for i in images])
+    return {h: score_images([i for i, x in zip(images, half) if x == h], names, masks) for h in HALVES}
 
 
 def summarize(stats: list[tuple], names: dict) -> tuple[Scores, int]:

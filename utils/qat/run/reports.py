@@ -62,10 +62,18 @@ def entry(name: str, weights: str | Path | None, metrics: Metrics, seconds: floa
     row = {"name": name, "weights": str(weights) if weights else None,
            **{key: round(getattr(metrics.primary, f), 4) for f, key in KEYS.items()},
            "images": metrics.images, "seconds": round(seconds, 1)}
+    if metrics.halves:
+        row["halves"] = halves(metrics)
     if metrics.mask is not None:
         for group, scores in zip(SEG_GROUPS, (metrics.box, metrics.mask)):
             row[group] = {key: round(getattr(scores, f), 4) for f, key in GROUP_KEYS.items()}
     return {**row, **extra}
+
+
+def halves(metrics: Metrics) -> dict[str, float]:
+    """AP (the primary mAP50-95) of each half of the evaluated images (``evaluate.half_of``: sorted by path,
+    alternately even and odd), from the evaluation's own per-image statistics."""
+    return {h: round(m.mAP50_95, 4) for h, m in metrics.halves.items()}
 
 
 def per_class(metrics: Metrics) -> dict:
@@ -122,20 +130,87 @@ def deltas(rows: list[dict], reference: str = "Origin") -> list[dict]:
     return out
 
 
-def comparison_markdown(rows: list[dict], title: str) -> str:
+def comparison_markdown(rows: list[dict], title: str, selection: dict | None = None) -> str:
     parts = [f"# {title}", "", "## Evaluation results", "", table(rows)]
     diff = deltas(rows)
     if diff:
         parts += ["", "## Evaluation comparison", "", table(diff, first="Comparison")]
+    if selection:
+        parts += ["", "## Selection", "", SELECTION_NOTE, "", selection_table(selection)]
     return "\n".join(parts) + "\n"
+
+
+#: How the evaluation images are halved (``evaluate.half_of``), as report.json's ``selection`` states it.
+HALVES_RULE = ("the evaluated images sorted by file path, alternately: positions 0, 2, 4, ... form the even half, "
+               "1, 3, 5, ... the odd half")
+SELECTION_NOTE = ("best is the stage `qat_best` holds: the highest AP on the evaluation images themselves, so its "
+                  "score is optimistic. Selection-free: the stage (PTQ or an epoch) with the highest AP on one half "
+                  "of those images, scored on the other half, beside Origin and PTQ on that same half; the halves "
+                  "are " + HALVES_RULE + ".")
+
+
+def selection(rows: list[dict], epochs: list[dict], best_epoch: int) -> dict | None:
+    """report.json's ``selection``: which stage ``qat_best`` holds (``best``: epoch ``best_epoch``, 0 for the PTQ
+    model, chosen on the full evaluation set, the one it is scored on), the ``last`` epoch, and ``selection_free``:
+    the stage (PTQ, when it was evaluated, or an epoch) with the highest AP on one half of the evaluation images,
+    scored on the other half, both ways and their mean, each beside Origin's and PTQ's AP on the same images
+    (None where not evaluated). Ties go to the earlier stage, as for ``qat_best``. None before the first epoch."""
+    if not epochs:
+        return None
+    named = {r["name"]: r for r in rows}
+    origin, ptq = named.get("Origin"), named.get("PTQ")
+    stages = [{"stage": "PTQ", "epoch": 0, "AP": ptq["AP"], "halves": ptq.get("halves")}] if ptq else []
+    stages += [{"stage": f"QAT epoch {e['epoch']}", "epoch": e["epoch"], "AP": e["AP"], "halves": e.get("halves")}
+               for e in epochs]
+
+    def pick(stage: dict, chosen_on: str, scored_on: str) -> dict:
+        def ap(r):
+            return None if r is None else r["AP"] if scored_on == "all" else (r.get("halves") or {}).get(scored_on)
+        return {"chosen_on": chosen_on, "scored_on": scored_on, "stage": stage["stage"], "epoch": stage["epoch"],
+                "AP": ap(stage), "Origin": ap(origin), "PTQ": ap(ptq)}
+
+    best = next((s for s in stages if s["epoch"] == best_epoch), stages[-1])
+    out = {"halves": HALVES_RULE,
+           "best": {**pick(best, "all", "all"), "note": "qat_best: chosen on the evaluation images it is scored on"},
+           "last": pick(stages[-1], "none", "all")}
+    if all(s["halves"] for s in stages):
+        free = {}
+        for chosen, scored in (("even", "odd"), ("odd", "even")):
+            top = max(stages, key=lambda s: s["halves"][chosen])  # the first of equals: the earlier stage
+            free[f"{chosen}_to_{scored}"] = pick(top, chosen, scored)
+        pair = list(free.values())
+        free["mean"] = {key: None if any(p[key] is None for p in pair) else round(sum(p[key] for p in pair) / 2, 4)
+                        for key in ("AP", "Origin", "PTQ")}
+        out["selection_free"] = free
+    return out
+
+
+def selection_table(sel: dict) -> str:
+    """report.md's table of :func:`selection`: each pick's AP and its difference from Origin and PTQ on the same
+    images."""
+    def diff(a, b):
+        return "" if a is None or b is None else f"{a - b:+.4f}"
+
+    picks = [("best (`qat_best`)", sel["best"]), ("last", sel["last"])]
+    free = sel.get("selection_free", {})
+    picks += [("selection-free", free[k]) for k in ("even_to_odd", "odd_to_even") if k in free]
+    if "mean" in free:
+        picks.append(("selection-free, mean", {"chosen_on": "", "scored_on": "both halves", "stage": "", **free["mean"]}))
+    lines = ["| Pick | chosen on | scored on | stage | AP | Origin | PTQ | vs Origin | vs PTQ |", "|" + "---|" * 9]
+    for name, p in picks:
+        where = {"all": "all images", "even": "even half", "odd": "odd half", "none": "- (the last epoch)"}
+        lines.append(f"| {name} | {where.get(p['chosen_on'], p['chosen_on'])} | {where.get(p['scored_on'], p['scored_on'])} "
+                     f"| {p['stage']} | {_cell(p['AP'])} | {_cell(p['Origin'])} | {_cell(p['PTQ'])} "
+                     f"| {diff(p['AP'], p['Origin'])} | {diff(p['AP'], p['PTQ'])} |")
+    return "\n".join(lines)
 
 
 def write_report(run_dir: Path, rows: list[dict], epochs: list[dict], title: str, **meta) -> None:
     """report.json + report.md (+ qat_ap.png when there are epochs), each written atomically. ``meta``
-    (e.g. world_size, calibration_seconds) goes into report.json beside the models and epochs."""
+    (e.g. world_size, calibration_seconds, ``selection``) goes into report.json beside the models and epochs."""
     run_dir = Path(run_dir)
     write_text(run_dir / "report.json", json.dumps({"title": title, **meta, "models": rows, "epochs": epochs}, indent=2))
-    write_text(run_dir / "report.md", comparison_markdown(rows, title))
+    write_text(run_dir / "report.md", comparison_markdown(rows, title, meta.get("selection")))
     if epochs:
         plot_epochs(run_dir / "qat_ap.png", epochs, rows)
 

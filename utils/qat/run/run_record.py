@@ -4,7 +4,9 @@
     qat(..., recorder=recorder)   # utils/qat/run/pipeline.py calls origin(), ptq(), epoch_end() and finish()
 
 It keeps the run folder ``out`` current after every stage: the checkpoints in ``out/weights`` (``ptq_*``,
-``qat_ep_*``, ``qat_best_*``), report.json / report.md / qat_ap.png, and prints the tables. report.json and
+``qat_ep_*``, ``qat_best_*``), report.json / report.md / qat_ap.png, and prints the tables. Every evaluation
+records its AP on the two halves of the evaluation images too (``halves``), and report.json's ``selection`` says
+which stage ``qat_best`` holds, the last epoch, and the selection-free pick (``reports.selection``). report.json and
 every checkpoint record ``arguments``: everything the run was given (for the CLI, every flag's value), and
 ``provenance``: the weights file and its sha256, the toolkit's version and commit (``utils.qat.core.provenance``).
 """
@@ -74,6 +76,8 @@ class RunRecorder:
         self.finetuned = False
 
     def save_report(self) -> None:
+        if self.epochs:
+            self.meta["selection"] = reports.selection(self.rows, self.epochs, self.best_epoch)
         reports.write_report(self.out, self.rows, self.epochs, self.title, **self.meta)
 
     def _save(self, path: Path, qmodel: nn.Module, info: QuantInfo, epoch: int, metrics: dict | None) -> None:
@@ -111,8 +115,8 @@ class RunRecorder:
         path = self.wdir / f"qat_ep_{epoch}_ap_{m.mAP50_95:.4f}_{self.stem}.pt"
         row = reports.entry(f"QAT epoch {epoch}", path, m, sec)
         self._save(path, qmodel, info, epoch, row)
-        self.epochs.append({"epoch": epoch, **ap_record(m), "loss": result.loss, "loss_terms": result.terms,
-                            "steps": result.steps, "graph_steps": result.graph_steps,
+        self.epochs.append({"epoch": epoch, **ap_record(m), "halves": reports.halves(m), "loss": result.loss,
+                            "loss_terms": result.terms, "steps": result.steps, "graph_steps": result.graph_steps,
                             "train_seconds": round(result.seconds, 1), "weights": str(path)})
         if self.best_ap is None or m.mAP50_95 > self.best_ap:
             self.best_ap, self.best_epoch, self.best_row = m.mAP50_95, epoch, row
@@ -130,5 +134,8 @@ class RunRecorder:
             self.save_report()
             print(f"best QAT model (epoch {self.best_epoch}) saved to {self.best_path}")
         print_table(self.rows)
+        if self.meta.get("selection"):
+            print()
+            print(reports.selection_table(self.meta["selection"]))
         print(f"\nresults in {self.out}: report.md, report.json{', qat_ap.png' if self.epochs else ''}, weights/")
         return self.out
