@@ -2,6 +2,7 @@
 
 A quantized model cannot be pickled whole (modelopt's dynamic modules), so its checkpoint carries
 what is needed to rebuild it in a fresh process with nothing but the patched tree: the model yaml,
+its layers' shapes (``structure``: ``utils.qat.model.structure``, for a model whose modules differ from its yaml),
 class names, stride, modelopt state, state dict, the quantization record (``QuantInfo``: the calibration
 settings, the layers kept in FP, the shared-scale groups), the arguments of the run that made it, the
 toolkit version and ``provenance`` (the sha256 of the weights it was made from, the toolkit's version and commit).
@@ -17,7 +18,7 @@ import torch.nn as nn
 
 from utils.qat import __version__
 from utils.qat.core import provenance, yolov9
-from utils.qat.model import safe_load
+from utils.qat.model import safe_load, structure
 from utils.qat.core.atomic import write_bytes
 from utils.qat.core.errors import QATError
 
@@ -84,6 +85,7 @@ def save_quantized(path: str | os.PathLike, model: nn.Module, info, *, epoch: in
         "version": __version__,
         "task": task,
         "yaml": model.yaml,
+        "structure": structure.record(model),
         "nc": int(model.nc) if hasattr(model, "nc") else int(model.yaml["nc"]),
         "names": dict(model.names),
         "stride": model.stride.tolist(),
@@ -100,10 +102,14 @@ def save_quantized(path: str | os.PathLike, model: nn.Module, info, *, epoch: in
     return write_bytes(path, buffer.getbuffer())
 
 
-def rebuild(ckpt: dict) -> nn.Module:
-    """A fused FP model built from the checkpoint's yaml, matching the quantized model's structure."""
+def rebuild(ckpt: dict, source: str = "the checkpoint") -> nn.Module:
+    """A fused FP model built from the checkpoint's yaml, its layers made as ``structure`` records them (a
+    checkpoint written before that field existed: as the yaml builds them); ``source`` names it in errors."""
     from utils.qat.quantize.model_quant import fuse
-    return fuse(yolov9.build(ckpt["yaml"], ckpt["nc"], task=ckpt.get("task", "detect")).float())
+    model = fuse(yolov9.build(ckpt["yaml"], ckpt["nc"], task=ckpt.get("task", "detect")).float())
+    if "structure" in ckpt:
+        structure.apply(model, ckpt["structure"], source)
+    return model
 
 
 def load_quantized(path: str | os.PathLike, task: str = "detect", ckpt: dict | None = None, trust: bool = False):
@@ -118,9 +124,15 @@ def load_quantized(path: str | os.PathLike, task: str = "detect", ckpt: dict | N
         raise QATError(f"{path} is a floating-point checkpoint, not a quantized one; run `qat.py quantize` "
                        "first, or pass --allow-fp to evaluate it as it is.")
     check_task(ckpt, path, task)
-    model = rebuild(ckpt)
+    model = rebuild(ckpt, str(path))
     rules.register_yolov9_modules()
     model = use_qdq_rounding(mto.restore_from_modelopt_state(model, ckpt["modelopt_state"]))
+    misfit = structure.misfit(model, ckpt["state_dict"])
+    if misfit:
+        fix = structure.FIX if "structure" in ckpt else (
+            "it predates checkpoints that record their layers' shapes (a model whose modules differ from its yaml, "
+            "such as a pruned one, needs them): quantize its FP weights again with this version")
+        raise QATError(f"{path} does not fit the model its yaml builds in this YOLOv9 tree ({misfit}); {fix}.")
     model.load_state_dict(ckpt["state_dict"])
     model.names = dict(ckpt["names"])
     model.stride = torch.tensor(ckpt["stride"], dtype=torch.float32)
