@@ -129,3 +129,193 @@ def test_cost_refuses_bad_flags_in_one_sentence(yolov9_tree, small_data, tmp_pat
     with pytest.raises(QATError, match=re.escape(says)) as e:
         _cost(yolov9_tree, *data, *argv, "--device", "cpu", "--out", str(tmp_path))
     assert "\n" not in str(e.value) and not list(tmp_path.iterdir())
+
+
+# ---- benchmarks/cli_results.py ---------------------------------------------------------------------------------
+
+FAKE_CLI = '''#!{python}
+"""Stands in for qat.py / export_qat.py / val_trt.py: writes what each writes, after a pause, with its start and
+end times in its log; quantize of weights named broken.pt fails."""
+import json, os, pathlib, sys, time
+argv = sys.argv[1:]
+flag = lambda name: argv[argv.index(name) + 1]
+print("start", time.time(), flush=True)
+time.sleep(float(os.environ.get("FAKE_SLEEP", "0.4")))
+if argv[0] == "qat.py":
+    weights, seed = pathlib.Path(flag("--weights")), int(flag("--seed"))
+    if weights.stem == "broken":
+        sys.exit(2)
+    import yaml
+    assert yaml.safe_load(open(flag("--data")))["path"].startswith("/")
+    run = pathlib.Path(flag("--project")) / flag("--name")
+    (run / "weights").mkdir(parents=True, exist_ok=True)
+    half = lambda ap: {{"even": ap + 0.01, "odd": ap - 0.01}}
+    ap = 0.5 + seed / 1000
+    pick = lambda c, s, epoch, x: {{"chosen_on": c, "scored_on": s, "stage": f"QAT epoch {{epoch}}", "epoch": epoch,
+                                   "AP": x, "Origin": 0.6, "PTQ": 0.4}}
+    report = {{"models": [{{"name": "Origin", "AP": 0.6, "halves": half(0.6)}}, {{"name": "PTQ", "AP": 0.4, "halves": half(0.4)}},
+                          {{"name": "QAT", "AP": ap + 0.02, "epoch": 1}}],
+              "epochs": [{{"epoch": 1, "AP": ap + 0.02, "halves": half(ap + 0.02), "loss": 0.1, "steps": 4, "train_seconds": 2.0,
+                          "weights": str(run / "weights" / "qat_ep_1.pt")}},
+                         {{"epoch": 2, "AP": ap, "halves": half(ap), "loss": 0.1, "steps": 4, "train_seconds": 2.0,
+                          "weights": str(run / "weights" / "qat_ep_2.pt")}}],
+              "selection": {{"halves": "alternately", "best": pick("all", "all", 1, ap + 0.02), "last": pick("none", "all", 2, ap),
+                            "selection_free": {{"mean": {{"AP": ap, "Origin": 0.6, "PTQ": 0.4}}}}}},
+              "calibration_seconds": 1.5, "arguments": {{"imgsz": 64, "batch_size": 8, "conf_thres": 0.001, "iou_thres": 0.7}}}}
+    (run / "report.json").write_text(json.dumps(report))
+elif argv[0] == "export_qat.py":
+    pathlib.Path(flag("--weights")).with_suffix(".onnx").write_text("graph")
+else:
+    out = pathlib.Path(flag("--project")) / flag("--name")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({{"AP": 0.45 if "ep_2" in flag("--onnx") else 0.47, "images": 16}}))
+print("end", time.time(), flush=True)
+'''
+
+
+def _fake_setup(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """A tree the fake CLIs run in, a data yaml with upstream's placeholder path and its dataset, the fake python."""
+    import sys
+    tree = tmp_path / "tree"
+    (tree / "models").mkdir(parents=True)
+    (tree / "models" / "yolo.py").write_text("")
+    (tree / "qat.py").write_text("")
+    root = tmp_path / "datasets"
+    for split in ("train", "val"):
+        (root / "images" / split).mkdir(parents=True)
+    data = tmp_path / "data.yaml"
+    data.write_text("path: /ABSOLUTE/PATH/TO/shared/datasets\ntrain: images/train\nval: images/val\nnames: {0: a}\n")
+    fake = tmp_path / "fake-python"
+    fake.write_text(FAKE_CLI.format(python=sys.executable))
+    fake.chmod(0o755)
+    return tree, data, fake
+
+
+def test_cli_results_runs_at_once_and_records_failures(tmp_path):
+    """benchmarks/cli_results.py with stand-in commands: --jobs 2 runs two pipelines at once (their quantize commands
+    overlap) and the outputs flag the times as shared; a run whose quantize fails is recorded and starts nothing more,
+    the others finish; best and last are exported and scored apart when they differ; the summary is the mean and
+    range over seeds; --dataset-root fills the yaml's path:."""
+    import json
+    tree, data, fake = _fake_setup(tmp_path)
+    for w in ("good.pt", "broken.pt"):
+        (tmp_path / w).write_bytes(b"")
+    bench = _module("cli_results")
+    args = bench.get_args_parser().parse_args([
+        "--tree", str(tree), "--patched", "--weights", str(tmp_path / "good.pt"), str(tmp_path / "broken.pt"),
+        "--data", str(data), "--dataset-root", str(tmp_path / "datasets"), "--seeds", "57", "1", "--jobs", "2",
+        "--python", str(fake), "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--label", "fake"])
+    result = bench.main(args)
+    saved = json.loads((tmp_path / "out" / "fake.json").read_text())
+    assert saved == json.loads(json.dumps(result))
+    runs = {r["name"]: r for r in result["runs"]}
+    assert list(runs) == ["good-s57", "good-s1", "broken-s57", "broken-s1"]
+    for name in ("broken-s57", "broken-s1"):
+        assert [c["step"] for c in runs[name]["commands"]] == ["quantize"] and runs[name]["errors"]
+        assert runs[name]["commands"][0]["returncode"] == 2
+    assert len(result["failed"]) == 2
+    good = runs["good-s57"]
+    assert [c["step"] for c in good["commands"]] == ["quantize", "export-best", "val_trt-best", "export-last",
+                                                     "val_trt-last"]
+    assert all(c["returncode"] == 0 and c["seconds"] >= 0.4 for c in good["commands"])
+    assert good["onnxruntime"]["best"]["AP"] == 0.47 and good["onnxruntime"]["last"]["AP"] == 0.45
+    assert good["onnxruntime"]["last"]["epoch"] == 2 and "qat_ep_2" in good["onnxruntime"]["last"]["onnx"]
+
+    def span(run):
+        lines = (tmp_path / "out" / "fake-logs" / run / "quantize.log").read_text().split()
+        return float(lines[1]), float(lines[3])
+    (a0, a1), (b0, b1) = span("good-s57"), span("good-s1")
+    assert a0 < b1 and b0 < a1  # the two runs' quantize commands overlapped
+    s = result["summary"][str(tmp_path / "good.pt")]
+    assert s["best"] == {"mean": 0.549, "min": 0.521, "max": 0.577, "n": 2}
+    assert s["INT8 ORT last"]["n"] == 2 and s["s per QAT step"]["mean"] == 0.5
+    assert s["selection-free - PTQ (halves)"]["min"] == pytest.approx(0.101)
+    assert result["summary"][str(tmp_path / "broken.pt")]["best"] is None
+    md = (tmp_path / "out" / "fake.md").read_text()
+    assert "**Timing**: 2 runs at once" in md and "| quantize command s * |" in md and "| `quantize` | 0 | " in md
+    assert "**Failed**: quantize: exit 2" in md and "| INT8 ONNX Runtime, last | all images | epoch 2 |" in md
+    assert (tmp_path / "out" / "fake.png").read_bytes()[:4] == b"\x89PNG"
+    used = Path(result["settings"]["data"])
+    assert used.parent == tmp_path / "work" and f"path: {tmp_path / 'datasets'}" in used.read_text()
+
+
+def test_cli_results_sigterm_stops_the_commands_and_keeps_the_record(tmp_path):
+    """SIGTERM to the script ends its running command (SIGTERM), starts no more, writes the result set with the
+    command's exit status, and exits 128 + 15 with one line."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    tree, data, fake = _fake_setup(tmp_path)
+    (tmp_path / "w.pt").write_bytes(b"")
+    proc = subprocess.Popen([sys.executable, str(REPO / "benchmarks" / "cli_results.py"), "--tree", str(tree), "--patched",
+                             "--weights", str(tmp_path / "w.pt"), "--data", str(data), "--dataset-root",
+                             str(tmp_path / "datasets"), "--python", str(fake), "--out", str(tmp_path / "out"),
+                             "--work", str(tmp_path / "work"), "--label", "stop"],
+                            env={**os.environ, "FAKE_SLEEP": "120"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    log = tmp_path / "out" / "stop-logs" / "w-s57" / "quantize.log"
+    deadline = time.time() + 60
+    while not (log.is_file() and log.read_text().startswith("start")) and time.time() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert err.strip().splitlines()[-1] == "error: stopped by SIGTERM; what was done is in the result set."
+    (run,) = json.loads((tmp_path / "out" / "stop.json").read_text())["runs"]
+    assert [(c["step"], c["returncode"]) for c in run["commands"]] == [("quantize", -signal.SIGTERM)]
+
+
+@pytest.mark.parametrize("change, says", [
+    ({}, "pass --dataset-root"),  # upstream's placeholder path: left in the yaml
+    ({"path": "datasets"}, "relative path"),
+    ({"jobs": 0}, "--jobs 0 is out of range"),
+    ({"extra": "--device 0 --name x"}, "--extra --name: this script sets"),
+])
+def test_cli_results_refuses_before_running(tmp_path, change, says):
+    tree, data, fake = _fake_setup(tmp_path)
+    if "path" in change:
+        data.write_text(data.read_text().replace("/ABSOLUTE/PATH/TO/shared/datasets", change["path"]))
+    (tmp_path / "w.pt").write_bytes(b"")
+    bench = _module("cli_results")
+    args = bench.get_args_parser().parse_args([
+        "--tree", str(tree), "--patched", "--weights", str(tmp_path / "w.pt"), "--data", str(data), "--python",
+        str(fake), "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--jobs", str(change.get("jobs", 1)),
+        "--extra", change.get("extra", "")])
+    with pytest.raises(bench.Refused, match=re.escape(says)) as e:
+        bench.main(args)
+    assert "\n" not in str(e.value) and not (tmp_path / "out").exists() and not (tmp_path / "work").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_cli_results_runs_the_real_commands(yolov9_tree, shapes, tmp_path):
+    """benchmarks/cli_results.py end to end on the CPU at a tiny size (GELAN-QS on shapes, 64 px, one epoch of one
+    step): a copy of the tree patched, quantize / export_qat / val_trt run and logged, every figure read back from
+    the files they wrote; INT8 ONNX Runtime near the fake-quant score of the same checkpoint."""
+    import json
+    out, work = tmp_path / "out", tmp_path / "work"
+    result = _main(yolov9_tree, "cli_results", "--tree", str(yolov9_tree), "--weights", str(QS), "--data", str(shapes),
+                   "--seeds", "57", "--extra", "--device cpu --imgsz 64 --batch-size 8 --epochs 1 --iters 1 "
+                   "--calib-batches 1 --calib-method max --head-amax calibrated --workers 0 --hyp none",
+                   "--export-flags", "--include onnx --dynamic", "--val-extra", "--device cpu --workers 0",
+                   "--out", str(out), "--work", str(work), "--label", "qs")
+    assert not result["failed"] and (work / "yolov9" / ".yolov9-qat-manifest").is_file()
+    (run,) = result["runs"]
+    report = json.loads((work / "runs" / "gelan-qs-shapes-s57" / "report.json").read_text())
+    assert run["report"]["models"] == report["models"] and run["report"]["selection"] == report["selection"]
+    steps = [c["step"] for c in run["commands"]]
+    best, last = report["selection"]["best"], report["selection"]["last"]
+    assert steps == ["quantize", "export-best", "val_trt-best"] + (["export-last", "val_trt-last"] if best["epoch"] != 1 else [])
+    for c in run["commands"]:
+        assert c["returncode"] == 0 and c["seconds"] > 0 and (out / c["log"]).stat().st_size > 0
+    assert "results in" in (out / run["commands"][0]["log"]).read_text()  # quantize's own last lines
+    ort = run["onnxruntime"]
+    assert abs(ort["best"]["AP"] - best["AP"]) < 0.02 and abs(ort["last"]["AP"] - last["AP"]) < 0.02
+    assert ort["best"]["images"] == report["models"][0]["images"] == 16
+    md = (out / "qs.md").read_text()
+    assert "## gelan-qs-shapes.pt, seed 57" in md and "| QAT epoch 1 |" in md and "**Timing**" not in md
+    assert "| selection-free, mean of both |" in md and "| INT8 ONNX Runtime, best |" in md
+    assert (out / "qs.png").read_bytes()[:4] == b"\x89PNG"
