@@ -5,8 +5,8 @@ each touching a marker file), on their own, hidden in ``opt`` of an otherwise ge
 nested dict of a real quantized checkpoint's modelopt state: every command that reads a .pt refuses each with one
 sentence naming the global, and no marker appears. Files that name only allowed globals but *call* them (a model
 class with a crafted cfg dict, a cfg path, a module name or an argument that parse_model evaluates;
-DetectMultiBackend on a second file; the same call as the ``ema`` of a genuine checkpoint), hooks and methods
-set where torch or the model would call them, and mutants of
+DetectMultiBackend on a second file; the same call as the ``ema`` of a genuine checkpoint), a quantized
+checkpoint whose yaml holds code, hooks and methods set where torch or the model would call them, and mutants of
 real checkpoints' instruction streams (one use changed at a time) are refused alike. The table of uses is
 regenerated from every genuine kind. Every genuine kind loads without a flag in a fresh process;
 ``--trust-weights`` loads a file with an unknown but harmless class. Models are TINY_GELAN variants (the reference
@@ -369,7 +369,7 @@ def test_a_refusal_as_users_meet_it(yolov9_tree, payloads, markers, small_data, 
     assert files_in(tmp_path) == [weights.name]
 
 
-# ---- calls of allowed globals, hooks, methods, mutants -------------------------------
+# ---- calls of allowed globals, hooks, methods, a quantized checkpoint's yaml, mutants -------------------------------
 
 class Call:
     """Unpickled as ``fn(*args)``: what a hostile file does with a global that genuine checkpoints only rebuild."""
@@ -495,6 +495,48 @@ def test_hooks_and_methods_where_something_would_call_them_are_refused(yolov9_tr
                                 f"trust the file, pass --trust-weights to load it with the full pickle."), name
     torch.save({"model": conv(detect=models.yolo.Detect.forward)}, tmp_path / "attribute.pt")
     assert safe_load.load(tmp_path / "attribute.pt")["model"].detect is models.yolo.Detect.forward
+
+
+@pytest.fixture(scope="module")
+def code_in_yaml(genuine, markers, tmp_path_factory) -> dict[str, Path]:
+    """A genuine quantized checkpoint whose model yaml holds code where parse_model evaluates strings."""
+    quantized = torch.load(genuine["quantized"], map_location="cpu", weights_only=False)
+    d = tmp_path_factory.mktemp("yaml")
+    out = {}
+    for where in ("activation", "module", "argument"):
+        q = copy.deepcopy(quantized)
+        code = _touch(markers / f"yaml-{where}")
+        if where == "activation":
+            q["yaml"]["activation"] = f"{code} or nn.SiLU()"
+        elif where == "module":
+            q["yaml"]["backbone"][0][2] = f"{code} or Conv"
+        else:
+            q["yaml"]["backbone"][0][3][0] = f"{code} or 16"
+        out[where] = d / f"yaml-{where}.pt"
+        torch.save(q, out[where])
+    return out
+
+
+def test_code_in_a_quantized_checkpoints_yaml_never_runs(yolov9_tree, code_in_yaml, markers, small_data, tmp_path,
+                                                          capsys):
+    """The yaml a quantized checkpoint is rebuilt from is plain data to the pickle, but parse_model evaluates its
+    strings: the commands that rebuild it refuse it with one sentence; the others refuse the file for what it is."""
+    from utils.qat.core import yolov9
+    assert yolov9.code_in_cfg(TINY_GELAN) is None and yolov9.code_in_cfg({**TINY_GELAN, "activation": "nn.ReLU()"}) \
+        is None and yolov9.code_in_cfg({**TINY_GELAN, "activation": "nn.LeakyReLU(0.1)"}) is None
+    for where, path in code_in_yaml.items():
+        code = yolov9.code_in_cfg(torch.load(path, weights_only=False)["yaml"])
+        assert code.startswith(f"{where} ") and "__import__('os').system('touch " in code, code
+        for command in COMMANDS:
+            message = command_error(yolov9_tree, command, path, small_data, tmp_path)
+            if command in ("qat.py eval", "export_qat.py", "export_yoloV9.py", "benchmarks/autocast.py"):
+                assert message == (f"{path} was not loaded: its model yaml has {code}, which building the model "
+                                   f"would run as Python code; if you trust the file, pass --trust-weights to build "
+                                   f"it anyway."), (command, message)
+            with capsys.disabled():
+                print(f"\n[{command}] yaml {where}: error: {message}", end="")
+    no_payload_ran(markers)
+    assert files_in(tmp_path) == []
 
 
 # Mutations of one instruction of a real checkpoint's pickle: (name, the instructions it applies to, the bytes that
