@@ -386,7 +386,7 @@ def _touch(marker: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def shapes(genuine, markers, tmp_path_factory) -> dict[str, tuple[Path, str]]:
+def hostile_calls(genuine, markers, tmp_path_factory) -> dict[str, tuple[Path, str]]:
     """The shapes of a call hidden in a .pt that names only allowed globals: ``shape`` -> (file, what it calls, as
     the sentence shows it). Each would touch its marker if called: a cfg dict whose activation, module name or
     argument parse_model evaluates, a cfg path (the same yaml on disk), DetectMultiBackend on a second file
@@ -396,7 +396,7 @@ def shapes(genuine, markers, tmp_path_factory) -> dict[str, tuple[Path, str]]:
 
     from models.common import DetectMultiBackend
     from models.yolo import DetectionModel
-    d = tmp_path_factory.mktemp("shapes")
+    d = tmp_path_factory.mktemp("calls")
 
     def cfg(marker: str, where: str) -> dict:
         c = copy.deepcopy(TINY_GELAN)
@@ -428,12 +428,12 @@ def shapes(genuine, markers, tmp_path_factory) -> dict[str, tuple[Path, str]]:
 
 
 @pytest.mark.parametrize("command", COMMANDS)
-def test_every_command_refuses_every_call(yolov9_tree, shapes, markers, small_data, tmp_path, command, capsys,
+def test_every_command_refuses_every_call(yolov9_tree, hostile_calls, markers, small_data, tmp_path, command, capsys,
                                           monkeypatch):
     """Each command x shape: one sentence naming the file, the class and what it is called with; nothing ran (not
     even with upstream's full-pickle switch on), nothing written."""
     monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
-    for shape, (path, call) in shapes.items():
+    for shape, (path, call) in hostile_calls.items():
         message = command_error(yolov9_tree, command, path, small_data, tmp_path)
         assert message == (f"{path} was not loaded: it calls {call}, which YOLOv9 checkpoints never do; if you trust "
                            f"the file, pass --trust-weights to load it with the full pickle."), (shape, message)
@@ -702,10 +702,10 @@ def test_mutants_of_real_checkpoints_are_refused_or_load_unchanged(yolov9_tree, 
 
 @pytest.mark.slow
 @pytest.mark.e2e
-def test_a_refused_call_as_users_meet_it(yolov9_tree, shapes, markers, small_data, tmp_path):
+def test_a_refused_call_as_users_meet_it(yolov9_tree, hostile_calls, markers, small_data, tmp_path):
     """DetectMultiBackend on a second file, with upstream's full-pickle switch on, through ``qat.py eval`` in its own
     process: exit 2, one ``error:`` line, nothing ran, nothing written."""
-    path, call = shapes["DetectMultiBackend"]
+    path, call = hostile_calls["DetectMultiBackend"]
     weights = tmp_path / path.name
     weights.symlink_to(path)
     r = run_tool(yolov9_tree, "qat.py", "eval", "--weights", str(weights), "--data", str(small_data), "--device",
