@@ -444,12 +444,13 @@ def test_every_command_refuses_every_call(yolov9_tree, hostile_calls, markers, s
 
 
 def test_the_uses_are_what_genuine_checkpoints_do(yolov9_tree, genuine, shared):
-    """The table of uses, regenerated from every genuine kind and every shared reference checkpoint (those whose
-    classes this tree lacks too: the table does not depend on the tree), equals the one in the code."""
+    """The table of uses, regenerated from every genuine kind, every shared reference checkpoint (those whose
+    classes this tree lacks too: the table does not depend on the tree) and the embedded models, equals the one in
+    the code."""
     from utils.qat.model import safe_load
     names = safe_load.Globals()
     learned: dict[str, set[str]] = {}
-    for path in {*genuine.values(), *(shared / "weights").glob("*.pt")}:
+    for path in {*genuine.values(), *(shared / "weights").glob("*.pt"), *(REPO / "weights").glob("*.pt")}:
         for group, use in safe_load.scan(path, learn=True, names=names).uses:
             learned.setdefault(group, set()).add(use)
     assert learned == {group: set(uses) for group, uses in safe_load.USES.items()}
