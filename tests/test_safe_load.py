@@ -80,6 +80,16 @@ def train_checkpoint(model: torch.nn.Module, half: bool = True) -> dict:
             "date": datetime.datetime.now().isoformat()}
 
 
+def with_pickle(src: Path, dest: Path, data: bytes) -> Path:
+    """``src``'s zip with ``data`` as its pickle (the records written by torch's own zip writer, as torch.save does)."""
+    reader, writer = torch._C.PyTorchFileReader(str(src)), torch._C.PyTorchFileWriter(str(dest))
+    for record in reader.get_all_records():
+        body = data if record == "data.pkl" else reader.get_record(record)
+        writer.write_record(record, body, len(body))
+    writer.write_end_of_file()
+    return dest
+
+
 @pytest.fixture(scope="module")
 def markers(tmp_path_factory) -> Path:
     global MARKERS
@@ -93,10 +103,11 @@ def no_payload_ran(markers: Path) -> None:
 
 @pytest.fixture(scope="module")
 def genuine(yolov9_tree, tmp_path_factory, gelan_c) -> dict[str, Path]:
-    """Every genuine kind, by name: train.py checkpoints (FP16, FP32, stripped), a dual-head and a segmentation
-    training checkpoint, a converted GELAN (reparameterization's writer), a quantized one, the reference weights."""
+    """Every genuine kind, by name: train.py checkpoints (FP16, FP32, stripped, and as Python 3.13 pickles its
+    paths), a dual-head and a segmentation training checkpoint, a converted GELAN (reparameterization's writer), a
+    quantized one, the reference weights."""
     from utils.qat.core import yolov9
-    from utils.qat.model import checkpoint
+    from utils.qat.model import checkpoint, safe_load
     from utils.qat.quantize.model_quant import QuantConfig, quantize
     from utils.qat.model.reparam import save_checkpoint
     d = tmp_path_factory.mktemp("genuine")
@@ -110,6 +121,8 @@ def genuine(yolov9_tree, tmp_path_factory, gelan_c) -> dict[str, Path]:
     paths = {name: d / f"{name}.pt" for name in kinds}
     for name, ckpt in kinds.items():
         torch.save(ckpt, paths[name])
+    paths["train-python3.13"] = with_pickle(paths["train-fp32"], d / "train-python3.13.pt", safe_load.pickle_of(
+        paths["train-fp32"]).replace(b"cpathlib\nPosixPath\n", b"cpathlib._local\nPosixPath\n"))  # its opt's paths
     paths["converted"] = save_checkpoint(det, d / "converted.pt")
     x = torch.rand(4, 3, 64, 64)
     qmodel, info = quantize(det, [x[:2], x[2:]], QuantConfig(method="max", head_amax="calibrated"), example=x[:1])
@@ -172,7 +185,8 @@ def test_genuine_kinds_load_without_the_flag_in_a_fresh_process(yolov9_tree, gen
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert set(got) == set(genuine)
     assert got["train-fp16"]["best_fitness"] == "ndarray" and got["stripped"]["best_fitness"] == "float64"
-    assert got["train-fp16"]["opt"]["data"] == "PosixPath" and got["train-fp32"]["optimizer"] == ["param_groups", "state"]
+    assert got["train-fp16"]["opt"]["data"] == got["train-python3.13"]["opt"]["data"] == "PosixPath"
+    assert got["train-fp32"]["optimizer"] == ["param_groups", "state"]
     assert got["train-dual"]["head"] == "DualDDetect" and got["reference"]["head"] == "DDetect"
     assert got.get("reference-t", {"head": "Detect"})["head"] == "Detect"
     assert got["train-segment"] == {**got["train-segment"], "model": "SegmentationModel", "head": "Segment",
@@ -673,13 +687,7 @@ def test_mutants_of_real_checkpoints_are_refused_or_load_unchanged(yolov9_tree, 
             except (safe_load.Refused, safe_load.Malformed) as e:
                 outcome = "refused" if isinstance(e, safe_load.Refused) else "malformed"
             if outcome is None:
-                path = tmp_path / "mutant.pt"
-                reader, writer = torch._C.PyTorchFileReader(str(genuine[kind])), torch._C.PyTorchFileWriter(str(path))
-                for record in reader.get_all_records():
-                    body = mutant if record == "data.pkl" else reader.get_record(record)
-                    writer.write_record(record, body, len(body))
-                writer.write_end_of_file()
-                del writer
+                path = with_pickle(genuine[kind], tmp_path / f"mutant{len(counts)}.pt", mutant)
                 calls: list[str] = []
                 sys.setprofile(lambda frame, event, _: event == "call" and str(yolov9_tree) in frame.f_code.co_filename
                                and calls.append(frame.f_code.co_name))

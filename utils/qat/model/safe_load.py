@@ -181,12 +181,14 @@ def _dtype_classes() -> list[tuple[type, str]]:
 
 
 def _path_globals() -> dict[str, Any]:
-    """pathlib paths of upstream's ``opt``. A path of the other OS loads as its pure path (the full pickle fails
-    on it: ``cannot instantiate 'WindowsPath' on your system``)."""
+    """pathlib paths of upstream's ``opt``, as Python pickles them (``pathlib._local.PosixPath`` from 3.13 on). A
+    path of the other OS loads as its pure path (the full pickle fails on it: ``cannot instantiate 'WindowsPath' on
+    your system``)."""
     windows = os.name == "nt"
-    return {"pathlib.PosixPath": pathlib.PurePosixPath if windows else pathlib.PosixPath,
-            "pathlib.WindowsPath": pathlib.WindowsPath if windows else pathlib.PureWindowsPath,
-            "pathlib.PurePosixPath": pathlib.PurePosixPath, "pathlib.PureWindowsPath": pathlib.PureWindowsPath}
+    paths = {"PosixPath": pathlib.PurePosixPath if windows else pathlib.PosixPath,
+             "WindowsPath": pathlib.WindowsPath if windows else pathlib.PureWindowsPath,
+             "PurePosixPath": pathlib.PurePosixPath, "PureWindowsPath": pathlib.PureWindowsPath}
+    return {f"{module}.{name}": cls for name, cls in paths.items() for module in ("pathlib", "pathlib._local")}
 
 
 def _method_of(classes: set[type]):
