@@ -280,7 +280,7 @@ def cmd_eval(args) -> Path:
     ckpt = checkpoint.read(args.weights, trust=args.trust_weights)
     source = provenance.record(args.weights)
     if checkpoint.is_quantized(ckpt):
-        model, info, _ = checkpoint.load_quantized(args.weights, task=args.task, ckpt=ckpt)
+        model, info, _ = checkpoint.load_quantized(args.weights, task=args.task, ckpt=ckpt, trust=args.trust_weights)
         kind = f"INT8 ({info.config.method})"
     elif args.allow_fp:
         model, kind = checkpoint.load_fp(args.weights, task=args.task, ckpt=ckpt), "FP"

@@ -3,7 +3,9 @@ terminal sends it) and SIGKILL during calibration, during fine-tuning and while 
 and SIGHUP (schedulers, docker stop, a closed SSH session) during calibration and fine-tuning, in one process and
 under torchrun, and a full disk. After each: every file on disk is complete and loads, report.json agrees with
 the checkpoints present, Ctrl-C, SIGTERM and SIGHUP end with one line saying what was saved (rank 0's alone) and
-status 128 + the signal's number, and the same command with --exist-ok works.
+status 128 + the signal's number, and the same command with --exist-ok works. A run started with SIGHUP ignored
+(``nohup``) runs on through one; every other run starts with the default dispositions, whatever the suite was
+started with.
 
 The process is stopped at each point by tests/faults/sitecustomize.py (on PYTHONPATH of the run only): a real
 run that waits at a real point of its work until the signal comes.
@@ -53,10 +55,13 @@ def _group_gone(pgid: int, seconds: float) -> bool:
     return False
 
 
-def _sigint_default() -> None:
-    """In the child: SIGINT back to its default, so that Python turns it into KeyboardInterrupt even when the
-    suite itself runs with SIGINT ignored (a background job of a non-interactive shell, e.g. ``.ci/run &``)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+def _default_signals(ignored: tuple[signal.Signals, ...] = ()) -> None:
+    """In the child: SIGINT, SIGTERM and SIGHUP back to their defaults (``ignored``: ignored instead), whatever the
+    suite itself was started with: a background job of a non-interactive shell (``.ci/run &``) ignores SIGINT,
+    ``nohup`` (as many CI runners and remote sessions start jobs) SIGHUP, and a run keeps a signal it was started
+    with ignored ignored, as it should; the tests say which disposition each run starts with."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN if sig in ignored else signal.SIG_DFL)
 
 
 TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2")
@@ -91,7 +96,7 @@ def _interrupted_runs(tree: Path, shapes: Path, project: Path, cases: list[tuple
             command = [command[0], *TORCHRUN, "--log-dir", str(logs), "--redirects", "3", *command[1:]]
         with open(log, "w") as err:
             procs[stage, sig] = (name, mark, log, subprocess.Popen(
-                command, cwd=tree, start_new_session=True, preexec_fn=_sigint_default, stdout=subprocess.DEVNULL,
+                command, cwd=tree, start_new_session=True, preexec_fn=_default_signals, stdout=subprocess.DEVNULL,
                 stderr=err, env=_env(YOLOV9_QAT_TEST_PAUSE=stage, YOLOV9_QAT_TEST_MARK=str(mark), OMP_NUM_THREADS="1")))
     results = {}
     try:
@@ -229,6 +234,39 @@ def test_stop_signal_under_torchrun(yolov9_tree, shapes, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.e2e
+def test_a_run_started_with_sighup_ignored_keeps_running_through_one(yolov9_tree, shapes, tmp_path):
+    """``nohup`` starts a run with SIGHUP ignored, so that a closed terminal does not end it: the run, stopped at
+    fine-tuning, gets SIGHUP (its whole group, as a terminal's hangup), is still running a while later, and once
+    released finishes as any run does: exit status 0, no error line, QAT done, every file whole."""
+    mark, release, log = tmp_path / "mark", tmp_path / "release", tmp_path / "stderr"
+    with open(log, "w") as err:
+        proc = subprocess.Popen(
+            _command(shapes, tmp_path, "nohup"), cwd=yolov9_tree, start_new_session=True,
+            preexec_fn=lambda: _default_signals((signal.SIGHUP,)), stdout=subprocess.DEVNULL, stderr=err,
+            env=_env(YOLOV9_QAT_TEST_PAUSE="finetune", YOLOV9_QAT_TEST_MARK=str(mark),
+                     YOLOV9_QAT_TEST_RELEASE=str(release), OMP_NUM_THREADS="1"))
+    try:
+        deadline = time.time() + 300
+        while not mark.exists():
+            assert proc.poll() is None, f"exited {proc.returncode} before its stop: {log.read_text()}"
+            assert time.time() < deadline, "never reached its stop"
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGHUP)
+        time.sleep(2)
+        assert proc.poll() is None, f"SIGHUP ended a run started with it ignored: {log.read_text()[-3000:]}"
+        release.touch()
+        assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert "error:" not in log.read_text()
+    report = check_run_folder(tmp_path / "nohup")
+    assert [m["name"] for m in report["models"]] == ["Origin", "PTQ", "QAT"]
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_rerun_with_exist_ok_after_sigkill(yolov9_tree, shapes, sigkilled):
     run, _, _, _ = sigkilled["finetune", signal.SIGKILL]
     r = subprocess.run(_command(shapes, run.parent, run.name), cwd=yolov9_tree, capture_output=True, text=True,
@@ -328,8 +366,7 @@ def _stop_script(tree: Path, folder: Path, sig: str, nohup: bool = False, **env:
     folder.mkdir()
     return subprocess.run([sys.executable, "-c", _STOP_SCRIPT, sig, str(folder)], cwd=tree, capture_output=True,
                           text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(tree), **env},
-                          preexec_fn=lambda: [signal.signal(signal.SIGINT, signal.SIG_DFL),  # as _sigint_default
-                                              nohup and signal.signal(signal.SIGHUP, signal.SIG_IGN)])
+                          preexec_fn=lambda: _default_signals((signal.SIGHUP,) if nohup else ()))
 
 
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP", "SIGINT"])

@@ -1,7 +1,8 @@
 """Test instrumentation for tests/test_faults.py, loaded at interpreter start-up through PYTHONPATH.
 
 It changes nothing by default. With YOLOV9_QAT_TEST_PAUSE set, the process stops at one real point of a
-`qat.py quantize` run, touches the file YOLOV9_QAT_TEST_MARK and sleeps until the test signals it:
+`qat.py quantize` run, touches the file YOLOV9_QAT_TEST_MARK and sleeps until the test signals it (or, with
+YOLOV9_QAT_TEST_RELEASE set, until that file exists: then the run goes on):
   calibration  the first forward pass of a quantized module (calibration: Origin runs the FP model)
   finetune     the first optimizer step of QAT fine-tuning (torch's global step pre-hook)
   checkpoint   the first file completed under a weights/ folder, after its bytes are written and before it
@@ -28,7 +29,10 @@ def _pause(*_args, **_kwargs):
         return
     _paused = True
     open(os.environ["YOLOV9_QAT_TEST_MARK"], "w").close()
-    time.sleep(600)  # until the test sends its signal
+    release = os.environ.get("YOLOV9_QAT_TEST_RELEASE")
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and not (release and os.path.exists(release)):
+        time.sleep(0.1)  # until the test sends its signal (its handler raises here), or releases the run
 
 
 def _weights_file(fd: int) -> bool:

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = ["FAMILIES", "DEFAULT_STRIDE", "head", "head_name", "family", "is_dual", "task_of_model", "num_classes",
            "Output", "outputs", "exported_outputs", "model_stride", "artifact_stride", "isolated_build", "build",
-           "reinit"]
+           "code_in_cfg", "reinit"]
 
 #: Head class name -> family.
 FAMILIES: dict[str, str] = {
@@ -171,6 +171,66 @@ def build(cfg: str | Path | dict, nc: int | None = None, task: str = "detect") -
     cls = SegmentationModel if task == "segment" else DetectionModel
     with isolated_build():
         return cls(cfg=dict(cfg) if isinstance(cfg, dict) else str(cfg), ch=3, nc=nc)
+
+
+def _module_class(name: str) -> bool:
+    """Whether ``name`` (``Conv``, ``nn.Upsample``) is, as ``parse_model`` looks it up in models.yolo (or in
+    models.common / models.experimental, where a tree resolves names so), an ``nn.Module`` class: a dotted name
+    with no private parts, resolved by attribute lookups alone."""
+    import sys
+
+    import torch.nn as nn
+
+    import models.yolo  # noqa: F401  (and the modules it imports)
+    parts = name.split(".")
+    if not all(p.isidentifier() and not p.startswith("_") for p in parts):
+        return False
+    for module in ("models.yolo", "models.common", "models.experimental"):
+        obj: Any = sys.modules.get(module)
+        for p in parts:
+            obj = getattr(obj, p, None)
+        if isinstance(obj, type) and issubclass(obj, nn.Module):
+            return True
+    return False
+
+
+def _activation(text: str) -> bool:
+    """``nn.SiLU()``, ``nn.LeakyReLU(0.1)``: a module class called with constants only."""
+    import ast
+    try:
+        call = ast.parse(text, mode="eval").body
+    except SyntaxError:
+        return False
+    if not isinstance(call, ast.Call) or not all(isinstance(a, ast.Constant) for a in
+                                                 [*call.args, *(k.value for k in call.keywords)]):
+        return False
+    return _module_class(ast.unparse(call.func)) and all(k.arg for k in call.keywords)
+
+
+def code_in_cfg(cfg: Any) -> str | None:
+    """The first string of a model yaml (a dict) that upstream's ``parse_model`` would run as Python rather than
+    look up as a name, described for a sentence (``activation '...'``, ``module '...' of head layer 3``); None
+    when there is none. ``parse_model`` evaluates the ``activation`` (``nn.SiLU()``), every module name (``Conv``,
+    ``nn.Upsample``) and every string argument (``nc``, ``'nearest'``) with ``eval``, so a yaml that comes from a
+    file (a quantized checkpoint's) is checked before :func:`build`: module names must be ``nn.Module`` classes,
+    arguments plain names, the activation such a class called with constants."""
+    if not isinstance(cfg, dict):
+        return None
+    act = cfg.get("activation")
+    if isinstance(act, str) and act and not _activation(act):
+        return f"activation {act!r}"
+    for section in ("backbone", "head"):
+        layers = cfg.get(section)
+        for i, layer in enumerate(layers if isinstance(layers, list) else []):
+            if not isinstance(layer, (list, tuple)) or len(layer) != 4:
+                continue  # parse_model fails on it before evaluating anything of it
+            _, _, module, args = layer
+            if isinstance(module, str) and not _module_class(module):
+                return f"module {module!r} of {section} layer {i}"
+            for a in args if isinstance(args, (list, tuple)) else []:
+                if isinstance(a, str) and not (a.isidentifier() and not a.startswith("__")):
+                    return f"argument {a!r} of {section} layer {i}"
+    return None
 
 
 def reinit(model: nn.Module, seed: int = 0) -> nn.Module:

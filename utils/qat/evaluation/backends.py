@@ -150,7 +150,7 @@ def open_backend(path: str | PathLike, device: str = "", *, kind: str | None = N
     ckpt = checkpoint.read(path, trust)
     task = checkpoint.task_of(ckpt)
     if checkpoint.is_quantized(ckpt):
-        model = checkpoint.load_quantized(path, task=task, ckpt=ckpt)[0]
+        model = checkpoint.load_quantized(path, task=task, ckpt=ckpt, trust=trust)[0]
     else:
         model = checkpoint.load_fp(path, task=task, ckpt=ckpt)
     return TorchBackend(model, select_device(device), task=task)

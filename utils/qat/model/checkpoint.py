@@ -113,7 +113,8 @@ def rebuild(ckpt: dict, source: str = "the checkpoint") -> nn.Module:
 
 
 def load_quantized(path: str | os.PathLike, task: str = "detect", ckpt: dict | None = None, trust: bool = False):
-    """Rebuild a quantized model in this process. Returns ``(model, QuantInfo, ckpt)``; ``trust``: as :func:`read`."""
+    """Rebuild a quantized model in this process. Returns ``(model, QuantInfo, ckpt)``; ``trust``: as :func:`read`,
+    and for the model yaml, which is built only when ``yolov9.code_in_cfg`` finds no code in it unless ``trust``."""
     import modelopt.torch.opt as mto
 
     from utils.qat.quantize import rules
@@ -124,6 +125,10 @@ def load_quantized(path: str | os.PathLike, task: str = "detect", ckpt: dict | N
         raise QATError(f"{path} is a floating-point checkpoint, not a quantized one; run `qat.py quantize` "
                        "first, or pass --allow-fp to evaluate it as it is.")
     check_task(ckpt, path, task)
+    code = None if trust else yolov9.code_in_cfg(ckpt.get("yaml"))
+    if code:
+        raise QATError(f"{path} was not loaded: its model yaml has {code}, which building the model would run as "
+                       f"Python code; if you trust the file, pass --trust-weights to build it anyway.")
     model = rebuild(ckpt, str(path))
     rules.register_yolov9_modules()
     model = use_qdq_rounding(mto.restore_from_modelopt_state(model, ckpt["modelopt_state"]))

@@ -64,7 +64,7 @@ def load_for_export(weights: str | os.PathLike, ckpt: dict | None = None, trust:
     ckpt = checkpoint.read(weights, trust) if ckpt is None else ckpt
     task = checkpoint.task_of(ckpt)
     if checkpoint.is_quantized(ckpt):
-        model, info, _ = checkpoint.load_quantized(weights, task=task, ckpt=ckpt)
+        model, info, _ = checkpoint.load_quantized(weights, task=task, ckpt=ckpt, trust=trust)
         return model.eval(), task, True, list(info.fp_patterns)
     model = checkpoint.load_fp(weights, task=task, ckpt=ckpt)
     if hasattr(model, "fuse"):
