@@ -153,13 +153,17 @@ def coco_names(shared) -> list[str]:
     return list(yaml.safe_load((shared / "datasets" / "coco334.yaml").read_text())["names"].values())
 
 
+def coco_data(root: Path, shared: Path, names: list[str], n_train: int, n_val: int) -> Path:
+    """Data yaml in ``root``: the first ``n_train`` coco369 train photos, the first ``n_val`` coco334 val photos."""
+    train = make_subset(shared / "datasets" / "coco369" / "images" / "train2017", root / "coco369", n_train)
+    val = make_subset(shared / "datasets" / "coco334" / "images" / "val2017", root / "coco334", n_val)
+    return write_data_yaml(root / "small.yaml", train, val, names)
+
+
 @pytest.fixture(scope="session")
 def small_data(tmp_path_factory, shared, coco_names) -> Path:
     """Data yaml: 8 coco369 train photos, 8 coco334 val photos (real COCO, real labels)."""
-    root = tmp_path_factory.mktemp("data")
-    train = make_subset(shared / "datasets" / "coco369" / "images" / "train2017", root / "coco369", 8)
-    val = make_subset(shared / "datasets" / "coco334" / "images" / "val2017", root / "coco334", 8)
-    return write_data_yaml(root / "small.yaml", train, val, coco_names)
+    return coco_data(tmp_path_factory.mktemp("data"), shared, coco_names, 8, 8)
 
 
 @pytest.fixture(scope="session")

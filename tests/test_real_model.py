@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ELSEWHERE, SHARED, make_subset, run_tool, tree_has, write_data_yaml
+from conftest import ELSEWHERE, SHARED, coco_data, run_tool, tree_has
 
 pytestmark = [pytest.mark.models, pytest.mark.slow, pytest.mark.e2e]
 
@@ -26,10 +26,7 @@ IMGSZ = "224"
 @pytest.fixture(scope="module")
 def data(tmp_path_factory, shared, coco_names) -> Path:
     """8 coco369 training photos (calibration and QAT), 16 coco334 validation photos (every score)."""
-    root = tmp_path_factory.mktemp("real-data")
-    train = make_subset(shared / "datasets" / "coco369" / "images" / "train2017", root / "coco369", 8)
-    val = make_subset(shared / "datasets" / "coco334" / "images" / "val2017", root / "coco334", 16)
-    return write_data_yaml(root / "small.yaml", train, val, coco_names)
+    return coco_data(tmp_path_factory.mktemp("real-data"), shared, coco_names, 8, 16)
 
 
 @pytest.fixture(scope="module")
