@@ -4,6 +4,8 @@ Each test shows the upstream symptom first where this stack has it (in a clean s
 the shims), then the same upstream call working with the shims applied. Missing packages
 (pkg_resources, IPython) are simulated in a subprocess by an import hook that hides them. What no toolkit
 command reaches (torch.load's weights_only default, Pillow's getsize, the font download) stays unpatched.
+The tests that show a symptom of the tree are marked ``compat``: skipped on a tree modernised where upstream breaks
+(the yolo9 stand-in; ``conftest.modernised``).
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ def ok(proc: subprocess.CompletedProcess) -> str:
 # ---------------------------------------------------------------------------------------------
 # np.trapz (numpy >= 2.4): utils/metrics.py compute_ap
 
+@pytest.mark.compat
 def test_compute_ap_without_np_trapz(yolov9_tree):
     proc = run_python(yolov9_tree, "import numpy; numpy.trapz")
     if proc.returncode == 0:
@@ -140,18 +143,21 @@ print("UNTOUCHED OK")
     return ok(run_python(yolov9_tree, script, env={"YOLOV5_CONFIG_DIR": str(config)}))
 
 
+@pytest.mark.compat
 def test_utils_general_without_pkg_resources(fresh_interpreter):
     out = fresh_interpreter
     assert "WITHOUT PKG_RESOURCES: No module named 'pkg_resources'" in out  # the upstream symptom
     assert "PKG_RESOURCES OK" in out  # imported, and check_version / require work
 
 
+@pytest.mark.compat
 def test_utils_general_without_ipython(fresh_interpreter):
     out = fresh_interpreter
     assert "WITHOUT IPYTHON: No module named 'IPython'" in out  # the upstream symptom
     assert "IPYTHON OK" in out  # imported, and is_notebook works
 
 
+@pytest.mark.compat
 def test_apply_patches_nothing_else(fresh_interpreter):
     """torch.load / torch.save (weights_only default), Pillow's FreeTypeFont, upstream's check_font: as they were, and
     nothing written to upstream's config dir (no toolkit command reaches them; compat's docstring says how we know)."""

@@ -325,8 +325,19 @@ def _readme_test_lines() -> list[str]:
 def test_ci_runs_readme_test_command_exactly():
     export, line = _readme_test_lines()
     assert export.startswith("export YOLOV9_DIR=")
-    assert "./install_dependencies.sh --dev" in line and line.endswith("python3 -m pytest tests -q -rs -n auto --maxprocesses 4 --dist loadfile")
+    pytest_command = "python3 -m pytest tests -q -rs -n auto --maxprocesses 4 --dist loadfile"
+    assert "./install_dependencies.sh --dev" in line and line.endswith(pytest_command)
     ci = (REPO / ".ci" / "run").read_text()
     assert f"readme_tests='{line}'" in ci
     assert 'bash -c "$readme_tests"' in ci and "export YOLOV9_DIR" in ci
     assert "5) " in ci  # pytest's 'no tests collected' fails CI
+    # The second pass: README's pytest command, -m models, against the yolo9 stand-in (as README's paragraph says).
+    models = '"${readme_tests##*&& } -m models"'
+    assert f"models_tests={models}" in ci and 'YOLOV9_DIR="$models_dir" bash -c "$models_tests"' in ci
+    assert "YOLOV9_STANDIN=yolo9 bash" in ci
+    expanded = subprocess.run(["bash", "-c", f"readme_tests={shlex.quote(line)}; echo {models}"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    assert expanded == pytest_command + " -m models"
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("Tests, set-up included"):readme.index("\n## ", readme.index("Tests, set-up included"))]
+    assert "`-m models`" in section and "`yolo9`" in section and "bash .ci/run" in section

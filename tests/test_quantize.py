@@ -358,16 +358,16 @@ def test_activation_variants_quantize_and_export(yolov9_tree, shared, act, tmp_p
 # One model per set of modules (Q/DQ placement and shared scales follow the modules, derived from the graph):
 # gelan-s has gelan-t's modules (ELAN1, AConv, RepNCSPELAN4, SPPELAN) with other widths, gelan-m a subset of them,
 # so both are left out; gelan-c brings ADown, gelan-e CBLinear / CBFuse, yolov9-c / -e the dual heads.
-SIZES = ["gelan-t", "gelan-c", "gelan-e", "yolov9-c", "yolov9-e"]
+SIZES = [pytest.param("gelan-t", marks=pytest.mark.models), "gelan-c", "gelan-e", "yolov9-c", "yolov9-e"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("cfg", SIZES)
 def test_lint_clean_on_every_size(yolov9_tree, shared, cfg, tmp_path):
     """Zero TensorRT fusion blockers in the toolkit's own exports, dual heads included."""
-    from conftest import tree_has
+    from conftest import ELSEWHERE, tree_has
     if cfg.endswith(("-t", "-s")) and not tree_has(yolov9_tree, "ELAN1"):
-        pytest.skip(f"{cfg} needs ELAN1 from upstream models/common.py, which this YOLOv9 tree lacks")
+        pytest.skip(f"{cfg} needs ELAN1 from upstream models/common.py, which this YOLOv9 tree lacks; {ELSEWHERE}")
     from utils.qat.quantize.model_quant import QuantConfig, quantize
     from utils.qat.onnx.onnx_export import export_onnx
     from utils.qat.onnx.onnx_lint import lint
@@ -450,7 +450,8 @@ def test_mse_image_weighs_every_image_alike(yolov9_tree):
     assert image_weighted(batch) < pooled(batch) / 4
 
 
-SEG_CFGS = ["gelan-c-seg", "gelan-c-dseg", "yolov9-c-dseg"]
+SEG_CFGS = ["gelan-c-seg", pytest.param("gelan-c-dseg", marks=pytest.mark.models),
+            pytest.param("yolov9-c-dseg", marks=pytest.mark.models)]
 
 
 @pytest.mark.slow
@@ -464,7 +465,8 @@ def test_lint_clean_on_segmentation_models(yolov9_tree, shared, cfg, tmp_path):
     from utils.qat.onnx.onnx_lint import lint
     yaml_path = yolov9_tree / "models" / "segment" / f"{cfg}.yaml"
     if "dseg" in cfg and "class DualDSegment(" not in (yolov9_tree / "models" / "yolo.py").read_text():
-        pytest.skip(f"{cfg} needs DualDSegment from upstream models/yolo.py, which this YOLOv9 tree lacks")
+        from conftest import ELSEWHERE
+        pytest.skip(f"{cfg} needs DualDSegment from upstream models/yolo.py, which this YOLOv9 tree lacks; {ELSEWHERE}")
     model = yolov9.build(yaml_path, 80, task="segment")
     model.names = {i: str(i) for i in range(80)}
     reinit(model)

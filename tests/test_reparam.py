@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn as nn
 import yaml
-from conftest import cli_error, run_tool, tree_has
+from conftest import ELSEWHERE, cli_error, run_tool, tree_has
 from helpers import (UPSTREAM_LOADS_PICKLES, TINY_GELAN, build, real_images, reinit, upstream_config_dir,
                      upstream_loads_pickles)
 
@@ -30,14 +30,14 @@ N_IMAGES = {"e": 1}  # default 2
 # same index, ELAN1 blocks), c (m/c: +1 after Silence; the size the other tests convert) and e (its own split map).
 # s and m differ from t and c only in widths (and m in AConv for ADown, both plain convs to the map); their maps
 # are checked against the notebook for every size by test_derived_layer_map_agrees_with_upstream_notebook.
-CONVERTED_SIZES = ["t", "c", "e"]
+CONVERTED_SIZES = [pytest.param("t", marks=pytest.mark.models), "c", "e"]
 TOL = 1e-4
 
 
 def needs(tree: Path, size: str) -> None:
     if size in ("t", "s") and not tree_has(tree, "ELAN1"):
-        pytest.skip(f"yolov9-{size} needs ELAN1 from upstream models/common.py, which this YOLOv9 tree lacks "
-                    "(run with YOLOV9_DIR pointing at a real clone)")
+        pytest.skip(f"yolov9-{size} needs ELAN1 from upstream models/common.py, which this YOLOv9 tree lacks; "
+                    + ELSEWHERE)
 
 
 def photos(shared: Path, n: int, size: int) -> torch.Tensor:
@@ -216,7 +216,7 @@ def _meta_model(tree: Path, cfg: str) -> nn.Module:
     return holder
 
 
-@pytest.mark.parametrize("size", ["t", "s", "m", "c", "e"])
+@pytest.mark.parametrize("size", [*(pytest.param(s, marks=pytest.mark.models) for s in "ts"), "m", "c", "e"])
 def test_derived_layer_map_agrees_with_upstream_notebook(yolov9_tree, size):
     """The graph-derived map equals what upstream's tools/reparameterization.ipynb hard-codes per size."""
     needs(yolov9_tree, size)
@@ -337,10 +337,11 @@ def test_yolov9_cf_triple_head_converts_to_gelan_c(yolov9_tree, shared, tmp_path
 
 @pytest.mark.slow
 @pytest.mark.e2e
+@pytest.mark.models
 def test_segmentation_dseg(yolov9_tree, shared, tmp_path):
     """yolov9-c-dseg (DualDSegment) -> DSegment: converted where the structures map, one sentence where not."""
     if "class DualDSegment(" not in (yolov9_tree / "models" / "yolo.py").read_text():
-        pytest.skip("this YOLOv9 tree has no DualDSegment/DSegment (models/yolo.py); run against a real clone")
+        pytest.skip(f"this YOLOv9 tree has no DualDSegment/DSegment (models/yolo.py); {ELSEWHERE}")
     images = photos(shared, 2, 256)
     model = training_model(yolov9_tree, "models/segment/yolov9-c-dseg.yaml", images)
     weights = save_training_checkpoint(tmp_path / "best.pt", model)

@@ -2,7 +2,8 @@
 
 Runs on the embedded segmentation model (weights/gelan-qs-seg-shapes.pt, upstream's Segment head, present
 in every YOLOv9 tree) and a small generated shapes set with exact polygons. The comparison with upstream
-segment/val.py needs a real YOLOv9 clone (the stand-in has no segment/ scripts) and skips without one.
+segment/val.py needs upstream's segment/ scripts (a clone, or the yolo9 stand-in: the faithful one has none) and
+skips without them.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, cli_error, run_main, run_tool
+from conftest import ELSEWHERE, REPO, cli_error, run_main, run_tool
 from helpers import UPSTREAM_LOADS_PICKLES, upstream_config_dir
 
 SEG = REPO / "weights" / "gelan-qs-seg-shapes.pt"
@@ -119,11 +120,11 @@ def test_match_equals_upstream_process_batch():
 
 
 @pytest.mark.slow
+@pytest.mark.models
 def test_evaluator_equals_upstream_segment_val(yolov9_tree, seg_shapes, tmp_path):
     """Box and mask P, R, mAP50, mAP50-95 equal upstream segment/val.py's on the same model and data."""
     if not (yolov9_tree / "segment" / "val.py").is_file():
-        pytest.skip("upstream segment/val.py is missing (the stand-in tree has no segment/ scripts); "
-                    "run with YOLOV9_DIR set to a YOLOv9 clone")
+        pytest.skip(f"upstream segment/val.py is missing (the faithful stand-in has no segment/ scripts); {ELSEWHERE}")
     script = UPSTREAM_LOADS_PICKLES + f"""
 import json, sys
 sys.argv = ['segment/val.py']
