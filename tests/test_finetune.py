@@ -221,6 +221,30 @@ def test_ema_is_the_model_evaluated_and_returned(qs, qs_calibrated, images):
     assert 0 < float((averaged - start).norm()) < float((trained - start).norm())
 
 
+def test_ema_ramps():
+    """``--ema-ramp``: ``uniform`` is the plain mean of the start and every step so far until it spans 1 / (1 - ema)
+    steps; ``fast`` (the default) weighs the last steps most from the start: decay (1 + n) / (10 + n)."""
+    from utils.qat.quantize.finetune import _EMA
+    model = torch.nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(0.0)
+    uniform, fast = _EMA(model, 0.99, "uniform"), _EMA(model, 0.99, "fast")
+    seen, expected_fast = [0.0], 0.0
+    for n, w in enumerate([4.0, 1.0, 7.0, 2.0], start=1):
+        with torch.no_grad():
+            model.weight.fill_(w)
+        uniform.update(model), fast.update(model)
+        seen.append(w)
+        d = (1 + n) / (10 + n)
+        expected_fast = d * expected_fast + (1 - d) * w
+        assert float(uniform.params["weight"]) == pytest.approx(sum(seen) / len(seen))
+        assert float(fast.params["weight"]) == pytest.approx(expected_fast)
+    capped = _EMA(model, 0.5, "uniform")
+    for _ in range(3):
+        capped.update(model)
+    assert capped.decay == 0.5 and min(0.5, capped.ramp(3)) == 0.5
+
+
 def test_lr_schedule_warms_up_then_decays():
     from utils.qat.quantize.finetune import lr_factor
     f = [lr_factor(s, 100, 10, 0.01) for s in range(100)]

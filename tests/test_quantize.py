@@ -399,6 +399,51 @@ def test_mse_amax_minimises_quantization_error(yolov9_tree):
     assert centers[128] < amax < x.max() * 0.9  # neither the first candidate nor the plain max
 
 
+def test_group_mse_amax_minimises_the_summed_error(yolov9_tree):
+    """``--tie mse``: one histogram gives ``mse_amax``'s value; for a group, the candidate with the least error summed
+    over the members' own histograms (brute force over the widest one's bin centres), which clips the wide member
+    below where its own search would and stays above the narrow member's."""
+    from utils.qat.quantize.mse import group_mse_amax, mse_amax
+    rng = np.random.default_rng(1)
+    narrow, wide = np.abs(rng.normal(0, 1, 100_000)), np.abs(rng.normal(0, 6, 20_000))
+    hists = [np.histogram(x, bins=2048, range=(0, x.max())) for x in (narrow, wide)]
+    assert float(group_mse_amax([hists[0]])) == float(mse_amax(*hists[0]))
+    amax = float(group_mse_amax(hists))
+    centers = [(e[1:] + e[:-1]) / 2 for _, e in hists]
+
+    def err(a):
+        scale = a / 127
+        return sum(float((((np.clip(np.round(c / scale), 0, 127) * scale) - c) ** 2 * h).sum())
+                   for (h, _), c in zip(hists, centers))
+
+    brute = min(centers[1][128:], key=err)
+    assert abs(amax - brute) <= (hists[1][1][1] - hists[1][1][0]) + 1e-6
+    assert float(mse_amax(*hists[0])) < amax < float(mse_amax(*hists[1]))
+
+
+@pytest.mark.slow
+def test_tie_mse_gives_each_group_one_scale_from_its_histograms(gelan_c_fp, calib_images):
+    """``QuantConfig(tie="mse")``: every shared-scale group still carries one amax, now at most the group's largest
+    (the ``max`` tie's), and below it for some groups; the record says which tie made it."""
+    from utils.qat.quantize.config import QuantInfo
+    from utils.qat.quantize.model_quant import QuantConfig, quantize
+    batches = [calib_images[:2], calib_images[2:]]
+    runs = {tie: quantize(gelan_c_fp, batches, QuantConfig(method="mse", head_amax="calibrated", tie=tie),
+                          example=calib_images[:1]) for tie in ("max", "mse")}
+    (qmax, info), (qmse, _) = runs["max"], runs["mse"]
+    by_max, by_mse = _quantizers(qmax), _quantizers(qmse)
+    lower = 0
+    for group in info.scale_groups:
+        values = {float(by_mse[n].amax) for n in group}
+        assert len(values) == 1, group
+        shared, largest = values.pop(), float(by_max[group[0]].amax)
+        assert shared <= largest * 1.001, group
+        lower += shared < largest * 0.999
+    assert lower > 0
+    assert QuantInfo.from_dict(runs["mse"][1].to_dict()).config.tie == "mse"
+    assert QuantInfo.from_dict({"calib_method": "mse"}).config.tie == "max"  # checkpoints from before the option
+
+
 def test_mse_amax_on_a_grown_histogram(yolov9_tree):
     """modelopt grows a histogram with torch.arange, which can leave one bin edge more than there are bins
     (found calibrating the embedded segmentation model); the MSE search takes histc's own edges then."""
