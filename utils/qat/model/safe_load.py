@@ -259,11 +259,11 @@ class _G:
 
 class _V:
     """What an instruction made: a container (``items`` for dicts), or what a call of ``maker`` returned."""
-    __slots__ = ("kind", "maker", "items", "filled", "frozen", "built", "is_state", "method", "cls")
+    __slots__ = ("kind", "maker", "items", "frozen", "built", "is_state", "method", "cls")
 
     def __init__(self, kind: str, maker: _G | None = None, items: dict | None = None):
         self.kind, self.maker, self.items = kind, maker, items
-        self.filled = self.frozen = self.built = self.is_state = False
+        self.frozen = self.built = self.is_state = False  # frozen: hooks, to stay empty
         self.method: str | None = None  # a looked-up method: "models.yolo.Detect.forward"
         self.cls: type | None = None  # the class of a model object
 
@@ -322,6 +322,8 @@ def _describe(v: Any) -> str:
             return f"what builtins.getattr returned ({v.method})"
         if v.cls is not None:
             return f"a {v.maker.name} object"
+        if v.kind == "collections.OrderedDict()":
+            return "an OrderedDict"
         return f"what {v.maker.name} returned" if v.maker else f"a {v.kind}"
     return f"a {_kind(v)}"
 
@@ -434,7 +436,6 @@ class Scan:
             raise Malformed(f"{op} on {_describe(target)}")
         if target.frozen and pairs:
             raise Refused(f"fills {_describe(target)}, which serves as hooks")
-        target.filled = True
         place = "dict value" if dict_like else "list item"
         for key, value in pairs:
             for where, v in (("dict key", key), (place, value)):
