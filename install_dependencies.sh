@@ -13,11 +13,14 @@ readonly HERE
 readonly TREX_URL="git+https://github.com/NVIDIA/TensorRT.git@v11.0#subdirectory=tools/experimental/trt-engine-explorer"
 readonly NVIDIA_INDEX="https://pypi.nvidia.com"
 readonly TRT_STUBS="tensorrt-stubs"
+# OpenVINO runs the Q/DQ ONNX on CPUs with INT8 kernels (val_trt.py --backend openvino, scripts/benchmark_cpu.py);
+# a ~60 MB wheel from PyPI that brings only numpy and openvino-telemetry.
+readonly OPENVINO="openvino"
 PROG=${0##*/}
 
 usage() {
     cat <<EOF
-usage: $PROG [--yolov9 DIR] [--dev] [--tensorrt] [--trex] [--python PY] [--dry-run]
+usage: $PROG [--yolov9 DIR] [--dev] [--openvino] [--tensorrt] [--trex] [--python PY] [--dry-run]
 
 Installs with pip what yolov9-qat needs on top of YOLOv9's own requirements
 ($HERE/requirements.txt: nvidia-modelopt, onnx, onnxruntime, ...). An installed torch and
@@ -28,8 +31,10 @@ options:
                 lines when torch is installed, and without opencv-python: opencv-python-headless
                 provides cv2)
   --dev         also install what the tests need ($HERE/requirements-dev.txt: pytest,
-                pytest-xdist, mypy, ruff) and $TRT_STUBS (type stubs for the TensorRT check; installed with --no-deps:
-                it declares a dependency on tensorrt, which installs only on GPU hosts)
+                pytest-xdist, mypy, ruff, openvino) and $TRT_STUBS (type stubs for the TensorRT check; installed with
+                --no-deps: it declares a dependency on tensorrt, which installs only on GPU hosts)
+  --openvino    also install OpenVINO ($OPENVINO from PyPI), which runs the exported Q/DQ ONNX on CPUs with INT8
+                kernels (val_trt.py --backend openvino, scripts/benchmark_cpu.py)
   --tensorrt    also install the TensorRT Python wheels matching the CUDA of the installed torch
                 (tensorrt-cu12, tensorrt-cu13, ... from $NVIDIA_INDEX), unless TensorRT is
                 already present (e.g. in an NGC container)
@@ -80,6 +85,7 @@ py() {
 
 YOLOV9=
 DEV=0
+OPENVINO_FLAG=0
 TENSORRT=0
 TREX=0
 DRY_RUN=0
@@ -97,6 +103,7 @@ while [ $# -gt 0 ]; do
             PY=$2; shift ;;
         --python=*) PY=${1#*=}; [ -n "$PY" ] || usage_error "--python needs an interpreter" ;;
         --dev) DEV=1 ;;
+        --openvino) OPENVINO_FLAG=1 ;;
         --tensorrt) TENSORRT=1 ;;
         --trex) TREX=1 ;;
         --dry-run) DRY_RUN=1 ;;
@@ -214,7 +221,25 @@ if [ "$DEV" -eq 1 ]; then
 fi
 
 # ---------------------------------------------------------------------------------------------
-# 2. TensorRT (only when asked).
+# 2. OpenVINO (only when asked; --dev has it in requirements-dev.txt).
+
+openvino_version() {
+    py -c 'import openvino; print(openvino.get_version().split("-")[0])' 2>/dev/null | tail -n 1
+}
+
+if [ "$OPENVINO_FLAG" -eq 1 ]; then
+    if ov=$(openvino_version) && [ -n "$ov" ]; then
+        echo "==> OpenVINO"
+        echo "OpenVINO $ov is already installed (import openvino works): not installing another."
+    else
+        step "OpenVINO ($OPENVINO)" \
+            "pip could not install $OPENVINO from PyPI (see its output above); without it, score the graphs with val_trt.py --backend onnxruntime." \
+            "${pip_install[@]}" "$OPENVINO"
+    fi
+fi
+
+# ---------------------------------------------------------------------------------------------
+# 3. TensorRT (only when asked).
 
 tensorrt_version() {
     py -c 'import tensorrt; print(tensorrt.__version__)' 2>/dev/null | tail -n 1
@@ -235,7 +260,7 @@ if [ "$TENSORRT" -eq 1 ]; then
 fi
 
 # ---------------------------------------------------------------------------------------------
-# 3. TensorRT Engine Explorer (only when asked).
+# 4. TensorRT Engine Explorer (only when asked).
 
 if [ "$TREX" -eq 1 ]; then
     if py -c 'import trex' >/dev/null 2>&1; then
@@ -256,6 +281,11 @@ if [ "$DRY_RUN" -eq 1 ]; then
 fi
 if [ -n "$torch_version" ]; then
     echo "torch: $torch_version (CUDA: $torch_cuda)"
+fi
+if ov=$(openvino_version) && [ -n "$ov" ]; then
+    echo "OpenVINO: $ov (import openvino)"
+else
+    echo "OpenVINO: not installed (needed only to run the ONNX on CPUs with INT8 kernels: rerun with --openvino)"
 fi
 if trt=$(tensorrt_version) && [ -n "$trt" ]; then
     echo "TensorRT: $trt (import tensorrt)"

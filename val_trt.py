@@ -2,6 +2,10 @@
 
     python3 val_trt.py --engine-file runs/qat/exp/weights/qat_best.engine --data data/coco.yaml --imgsz 640
     python3 val_trt.py --onnx runs/qat/exp/weights/qat_best.onnx --backend onnxruntime --data data/coco.yaml
+    python3 val_trt.py --onnx runs/qat/exp/weights/qat_best.onnx --backend openvino --data data/coco.yaml
+
+An ONNX graph runs on ONNX Runtime (the default) or OpenVINO (CPU; ./install_dependencies.sh --openvino), which
+runs the Q/DQ convolutions with INT8 kernels and the rest in FP32.
 
 Same dataloader, NMS and metrics as `qat.py eval` and upstream val.py, so the numbers compare directly
 with the PyTorch checkpoint the export came from. Plain exports (output0) and End2End exports (num_dets,
@@ -24,7 +28,7 @@ from pathlib import Path  # noqa: E402
 
 from utils.qat.core.errors import QATError, run_cli  # noqa: E402
 
-BACKENDS = ("tensorrt", "onnxruntime")
+BACKENDS = ("tensorrt", "onnxruntime", "openvino")
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -32,9 +36,11 @@ def get_args_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--engine-file", default=None, help="TensorRT engine (built by scripts/generate_trt_engine.sh)")
-    src.add_argument("--onnx", default=None, help="ONNX graph (export_qat.py), run with --backend onnxruntime")
+    src.add_argument("--onnx", default=None,
+                     help="ONNX graph (export_qat.py), run with --backend onnxruntime or openvino")
     p.add_argument("--backend", choices=BACKENDS, default=None,
-                   help="tensorrt (default with --engine-file) or onnxruntime (default with --onnx)")
+                   help="tensorrt (default with --engine-file); onnxruntime (default with --onnx) or openvino (CPU) "
+                        "for --onnx")
     p.add_argument("--data", default=None, help="dataset yaml (default: data/coco.yaml of the YOLOv9 tree, as upstream)")
     p.add_argument("--batch-size", type=int, default=32, help="batch size (a static engine/graph uses its own)")
     p.add_argument("--imgsz", "--img", "--img-size", dest="imgsz", type=int, default=640,
@@ -67,10 +73,10 @@ def open_source(args: argparse.Namespace):
     backend = args.backend or ("tensorrt" if args.engine_file else "onnxruntime")
     if backend == "tensorrt" and args.onnx:
         raise QATError("--backend tensorrt runs engines: pass --engine-file X.engine (build one from the ONNX with "
-                       "scripts/generate_trt_engine.sh), or use --backend onnxruntime for --onnx.")
-    if backend == "onnxruntime" and args.engine_file:
-        raise QATError("--backend onnxruntime runs ONNX graphs, not TensorRT engines: pass --onnx X.onnx.")
-    if backend == "onnxruntime" and source.suffix.lower() != ".onnx" and source.is_file():
+                       "scripts/generate_trt_engine.sh), or use --backend onnxruntime or openvino for --onnx.")
+    if backend != "tensorrt" and args.engine_file:
+        raise QATError(f"--backend {backend} runs ONNX graphs, not TensorRT engines: pass --onnx X.onnx.")
+    if backend != "tensorrt" and source.suffix.lower() != ".onnx" and source.is_file():
         raise QATError(f"{source} is not an .onnx file; export one with export_qat.py --include onnx.")
     return open_backend(source, args.device, kind=backend, plugins=args.plugins), source
 

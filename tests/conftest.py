@@ -184,8 +184,9 @@ def run_tool(tree: Path, *args: str, timeout: int = 900, env: dict | None = None
 
 # The module of each CLI, where it is not the script's name without .py.
 CLI_MODULES = {"segment/qat_seg.py": "segment.qat_seg", "scripts/benchmark_trt.py": "benchmark_trt",
+               "scripts/benchmark_cpu.py": "benchmark_cpu",
                "trtexec": "trtexec_cli"}
-SCRIPT_MODULES = ("benchmark_trt", "trtexec_cli")  # CLIs that live in the tree's scripts/
+SCRIPT_MODULES = ("benchmark_trt", "benchmark_cpu", "trtexec_cli")  # CLIs that live in the tree's scripts/
 
 
 def cli_module(tree: Path, tool: str):

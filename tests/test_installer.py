@@ -76,7 +76,7 @@ def dist_info(site: Path, name: str, version: str) -> None:
 
 
 def fake_python(tmp_path: Path, venv_python: Path, *, cuda: str | None = "12.8", torch: bool = True,
-                tensorrt: str | None = None, trex: bool = False) -> Path:
+                tensorrt: str | None = None, trex: bool = False, openvino: str | None = None) -> Path:
     """An interpreter (a wrapper around the venv's) that sees the fake packages asked for."""
     site = tmp_path / "fake-site"
     if torch:
@@ -90,6 +90,8 @@ def fake_python(tmp_path: Path, venv_python: Path, *, cuda: str | None = "12.8",
         write(site / "tensorrt" / "__init__.py", f'__version__ = "{tensorrt}"\n')
     if trex:
         write(site / "trex" / "__init__.py", "")
+    if openvino:  # openvino.get_version() as the real one spells it: VERSION-BUILD-HASH-BRANCH
+        write(site / "openvino" / "__init__.py", f'def get_version():\n    return "{openvino}-22982-e213a147257-releases"\n')
     site.mkdir(parents=True, exist_ok=True)
     wrapper = tmp_path / "python-under-test"
     wrapper.write_text(f'#!/bin/sh\nPYTHONPATH={shlex.quote(str(site))} exec {shlex.quote(str(venv_python))} "$@"\n')
@@ -136,8 +138,10 @@ def test_default_installs_the_toolkit_requirements_only(tmp_path, venv_python):
     assert cmd[cmd.index("-r") + 1] == str(REPO / "requirements.txt")
     assert "-c" in cmd  # torch and torchvision pinned as installed
     assert "keeping torch==2.9.1, torchvision==0.24.1 as installed" in proc.stdout
-    assert "==> TensorRT" not in proc.stdout
+    assert "==> TensorRT" not in proc.stdout and "==> OpenVINO" not in proc.stdout
     assert "TensorRT: not installed" in proc.stdout
+    assert "OpenVINO: not installed (needed only to run the ONNX on CPUs with INT8 kernels: rerun with --openvino)" \
+        in proc.stdout
     assert "dry run: nothing was installed." in proc.stdout
 
 
@@ -247,13 +251,31 @@ def test_trex(tmp_path, venv_python):
     assert "TensorRT Engine Explorer (trex) is already installed" in proc.stdout
 
 
+def test_openvino(tmp_path, venv_python):
+    py = fake_python(tmp_path, venv_python)
+    proc = install("--dry-run", "--python", py, "--openvino")
+    assert proc.returncode == 0, proc.stderr
+    commands = pip_commands(proc)
+    assert len(commands) == 2
+    ov = commands[1]
+    assert ov[:4] == [str(py), "-m", "pip", "install"] and ov[-1] == "openvino"
+    assert "-c" in ov  # never changes torch either
+    assert "==> OpenVINO (openvino)" in proc.stdout
+
+    present = fake_python(tmp_path / "with-openvino", venv_python, openvino="2026.4.1")
+    proc = install("--dry-run", "--python", present, "--openvino")
+    assert proc.returncode == 0 and len(pip_commands(proc)) == 1, proc.stdout + proc.stderr
+    assert "OpenVINO 2026.4.1 is already installed (import openvino works): not installing another." in proc.stdout
+    assert "OpenVINO: 2026.4.1 (import openvino)" in proc.stdout
+
+
 def test_all_flags_in_order(tmp_path, venv_python, yolov9_dir):
     py = fake_python(tmp_path, venv_python, cuda="13.0")
-    proc = install("--trex", "--yolov9", yolov9_dir, "--dry-run", "--tensorrt", f"--python={py}")
+    proc = install("--trex", "--yolov9", yolov9_dir, "--dry-run", "--tensorrt", "--openvino", f"--python={py}")
     assert proc.returncode == 0, proc.stderr
     steps = [line[4:] for line in proc.stdout.splitlines() if line.startswith("==> ")]
-    assert steps == ["toolkit and YOLOv9 requirements", "TensorRT (tensorrt-cu13, for torch's CUDA 13.0)",
-                     "TensorRT Engine Explorer (trex)"]
+    assert steps == ["toolkit and YOLOv9 requirements", "OpenVINO (openvino)",
+                     "TensorRT (tensorrt-cu13, for torch's CUDA 13.0)", "TensorRT Engine Explorer (trex)"]
 
 
 def test_usage_errors(tmp_path, venv_python):
@@ -312,6 +334,7 @@ def test_dev_adds_the_test_tools_and_the_stubs_without_their_dependencies(tmp_pa
     assert stubs[-2:] == ["--no-deps", "tensorrt-stubs"] and "-c" in stubs
     dev = (REPO / "requirements-dev.txt").read_text().split()
     assert "pytest" in dev and "mypy" in dev and "ruff" in dev
+    assert "openvino" in dev  # CI scores the quickstart model's graphs with val_trt.py --backend openvino
 
 
 def _readme_test_lines() -> list[str]:

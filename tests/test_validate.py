@@ -53,6 +53,9 @@ OUT_OF_RANGE = [
     ("trtexec", "build m.onnx m.engine --workspace-mib 0", "--workspace-mib 0 is out of range"),
     ("scripts/benchmark_trt.py", "--batch 1 0", "--batch 0 is out of range"),
     ("scripts/benchmark_trt.py", "--duration 0", "--duration 0 is out of range"),
+    ("scripts/benchmark_cpu.py", "--model m a.onnx b.onnx --threads 0", "--threads 0 is out of range"),
+    ("scripts/benchmark_cpu.py", "--model m a.onnx b.onnx --runs 0", "--runs 0 is out of range"),
+    ("scripts/benchmark_cpu.py", "--model m a.onnx b.onnx --batch 1 0", "--batch 0 is out of range"),
 ]
 
 CHOICES = [
@@ -68,7 +71,8 @@ CHOICES = [
 
 
 def _args(tool: str, args: str) -> list[str]:
-    weights = ["--weights", "nope.pt"] if tool not in ("val_trt.py", "trtexec", "scripts/benchmark_trt.py") else []
+    weights = ["--weights", "nope.pt"] if tool not in ("val_trt.py", "trtexec", "scripts/benchmark_trt.py",
+                                                       "scripts/benchmark_cpu.py") else []
     return args.split()[:1] + weights + args.split()[1:] if tool in ("qat.py", "segment/qat_seg.py") else \
         weights + args.split()
 

@@ -1,4 +1,5 @@
-"""``--device`` parsing: cpu, N, cuda:N; under ``torch.distributed.run``, a list N,M,... (one GPU per process).
+"""``--device`` parsing: cpu, N, cuda:N; under ``torch.distributed.run``, a list N,M,... (one GPU per process); and
+what the CPU is (:func:`cpu_description`, :func:`exact_int8_dot`).
 
 Multi-GPU mapping (as upstream YOLOv9's train.py does it): the listed GPUs (indices as this process sees
 them, i.e. after any CUDA_VISIBLE_DEVICES of the user's) become the only visible ones, in list order, before
@@ -8,6 +9,8 @@ dataloader synchronises ranks with ``barrier(device_ids=[local_rank])``, which n
 from __future__ import annotations
 
 import os
+import platform
+from pathlib import Path
 
 import torch
 
@@ -103,3 +106,33 @@ def _rank_device(spec: str, launch: Launch) -> torch.device:
         raise QATError(f"--device {spec}: only {found} of the {len(indices)} listed GPUs exist here; list indices "
                        "that `nvidia-smi -L` shows.")
     return torch.device(f"cuda:{launch.local_rank}")
+
+
+#: /proc/cpuinfo flags of the x86 instructions that add 8-bit products straight into 32-bit sums (VNNI, AMX).
+INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
+
+
+def cpu_description() -> tuple[str, set[str] | None]:
+    """The CPU's model name and its /proc/cpuinfo flags (None without /proc/cpuinfo: not Linux)."""
+    model, flags = platform.processor() or platform.machine(), None
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return model, None
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and value.strip():
+            model = value.strip()
+        elif key.strip() == "flags" and flags is None:
+            flags = set(value.split())
+    return model, flags
+
+
+def exact_int8_dot() -> bool | None:
+    """Whether this x86 CPU computes 8-bit dot products exactly: True with VNNI or AMX (:data:`INT8_DOT_FLAGS`);
+    False on the others (AVX2, AVX-512 without VNNI), whose 8-bit multiply (vpmaddubsw) adds each pair of
+    products into a 16-bit sum that saturates; None where unknown (not x86, or no /proc/cpuinfo)."""
+    if platform.machine().lower() not in ("x86_64", "amd64", "i686", "x86"):
+        return None
+    flags = cpu_description()[1]
+    return None if flags is None else any(f in flags for f in INT8_DOT_FLAGS)

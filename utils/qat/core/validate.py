@@ -94,8 +94,11 @@ FLAGS: dict[str, Range] = {
     "--opt": Range(1),
     "--max": Range(1),
     "--workspace-mib": Range(1),
-    "--warmup": Range(0),  # QAT warm-up steps; trtexec warm-up milliseconds
+    "--warmup": Range(0),  # QAT warm-up steps; trtexec warm-up milliseconds; CPU benchmark warm-up rounds
     "--duration": Range(1),
+    # the CPU benchmark (scripts/benchmark_cpu.py)
+    "--threads": Range(1, hint="leave it out to use every usable core"),
+    "--runs": Range(1, hint="e.g. 10"),
 }
 
 

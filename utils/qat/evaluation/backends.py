@@ -1,5 +1,6 @@
 """Prediction backends for the shared evaluator: what every backend has (:class:`Backend`), PyTorch (FP or
-fake-quant), ONNX Runtime, and :func:`open_backend`, which opens a .pt, .onnx or .engine file as one.
+fake-quant), ONNX Runtime, OpenVINO (the same .onnx on the CPU, INT8 kernels for its Q/DQ; imported only when
+asked for), and :func:`open_backend`, which opens a .pt, .onnx or .engine file as one.
 
 A backend is a callable ``backend(images) -> raw output`` where ``images`` is float32 B x 3 x H x W in [0, 1]
 on ``backend.device``. It returns the detection head's inference output ``(B, 4 + nc, A)`` (xywh boxes in
@@ -9,9 +10,10 @@ input pixels, class scores), for a segmentation model ``(pred, protos)``, or for
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import TYPE_CHECKING, Mapping, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -19,6 +21,7 @@ import torch.nn as nn
 
 from utils.qat.core import yolov9
 from utils.qat.core.artifact import ArtifactMeta, is_end2end, task_from_outputs
+from utils.qat.core.device import exact_int8_dot
 from utils.qat.core.errors import QATError
 
 if TYPE_CHECKING:
@@ -26,12 +29,14 @@ if TYPE_CHECKING:
 
 #: File suffix -> backend kind; the kind -> the runtime's name in reports.
 FORMATS = {".pt": "torch", ".onnx": "onnxruntime", ".engine": "tensorrt"}
-RUNTIMES = {"torch": "PyTorch", "onnxruntime": "ONNX Runtime", "tensorrt": "TensorRT"}
+RUNTIMES = {"torch": "PyTorch", "onnxruntime": "ONNX Runtime", "openvino": "OpenVINO", "tensorrt": "TensorRT"}
+#: The runtimes that run an .onnx file (the first is the default).
+ONNX_RUNTIMES = ("onnxruntime", "openvino")
 
 
 class Backend(Protocol):
     """What the evaluator (``utils.qat.evaluation.evaluate``) reads from every backend."""
-    runtime: str  # a name for reports: PyTorch, ONNX Runtime, TensorRT
+    runtime: str  # a name for reports: PyTorch, ONNX Runtime, OpenVINO, TensorRT
     device: torch.device  # where the images go
     stride: int  # the largest stride (input sizes are multiples of it)
     names: dict[int, str] | None  # class names (None: take the dataset's)
@@ -69,44 +74,30 @@ class TorchBackend:
         return out if len(out) > 1 else out[0]
 
 
-class ORTBackend:
-    """Runs an exported ONNX graph (plain or End2End) with ONNX Runtime."""
+class _GraphBackend:
+    """What ONNX Runtime and OpenVINO share: the graph's input and outputs as the evaluator needs them. A
+    subclass opens the graph, calls :meth:`_describe`, and runs it in :meth:`run`."""
 
-    runtime = "ONNX Runtime"
+    runtime = ""
 
-    def __init__(self, onnx_path: str | Path, device: torch.device | str = "cpu"):
-        import onnxruntime as ort
-        onnx_path = Path(onnx_path)
-        if not onnx_path.is_file():
-            raise QATError(f"ONNX file not found: {onnx_path}; export one with export_qat.py first.")
-        device = torch.device(device)
-        providers: list = ["CPUExecutionProvider"]
-        if device.type == "cuda":
-            if "CUDAExecutionProvider" not in ort.get_available_providers():
-                raise QATError("onnxruntime here has no CUDA provider; use --device cpu or install onnxruntime-gpu.")
-            providers.insert(0, ("CUDAExecutionProvider", {"device_id": device.index or 0}))
-        opts = ort.SessionOptions()
-        opts.log_severity_level = 3
-        try:
-            self.session = ort.InferenceSession(str(onnx_path), opts, providers=providers)
-        except Exception as e:  # onnxruntime raises its own types for unreadable graphs
-            raise QATError(f"ONNX Runtime cannot load {onnx_path} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
-                           f"re-export it with export_qat.py (graphs with TensorRT plugins, e.g. --nms trt, run in "
-                           f"TensorRT only: export with --nms onnx to evaluate here).") from e
+    def _describe(self, path: Path, input_shape: Sequence, fp16: bool, output_names: list[str],
+                  output_ranks: list[int], metadata: Mapping[str, str]) -> None:
         self.device = torch.device("cpu")  # images are handed over as numpy
-        inp = self.session.get_inputs()[0]
-        self.input_name = inp.name
-        self.fp16 = inp.type == "tensor(float16)"
-        b, _, h, w = inp.shape
+        self.fp16 = fp16
+        b, _, h, w = input_shape
         self.batch_size = b if isinstance(b, int) else None
         self.imgsz = (h, w) if isinstance(h, int) and isinstance(w, int) else None
-        outputs = self.session.get_outputs()
-        self.output_names = [o.name for o in outputs]
-        self.end2end = is_end2end(self.output_names)
-        meta = ArtifactMeta.read(self.session.get_modelmeta().custom_metadata_map)
-        self.stride = yolov9.artifact_stride(meta.stride, onnx_path, f"the metadata of {onnx_path}")
+        self.output_names = output_names
+        self.end2end = is_end2end(output_names)
+        meta = ArtifactMeta.read(metadata)
+        self.stride = yolov9.artifact_stride(meta.stride, path, f"the metadata of {path}")
         self.names = meta.names
-        self.task = meta.task or task_from_outputs(self.output_names, [len(o.shape) for o in outputs])
+        self.task = meta.task or task_from_outputs(output_names, output_ranks)
+
+    def run(self, x: np.ndarray) -> list[np.ndarray]:
+        """The graph's outputs for the input ``x`` (already of the graph's batch size and dtype), in the order
+        of :attr:`output_names`."""
+        raise NotImplementedError
 
     def __call__(self, images: torch.Tensor):
         x = images.detach().cpu().numpy().astype(np.float16 if self.fp16 else np.float32)
@@ -116,7 +107,7 @@ class ORTBackend:
                 raise QATError(f"the ONNX graph has a fixed batch of {self.batch_size}; use --batch-size "
                                f"{self.batch_size} or export with --dynamic.")
             x = np.concatenate([x, np.zeros((self.batch_size - n, *x.shape[1:]), x.dtype)])
-        outs = [torch.from_numpy(np.asarray(o))[:n] for o in self.session.run(None, {self.input_name: x})]
+        outs = [torch.from_numpy(np.asarray(o))[:n] for o in self.run(x)]
         outs = [o.float() if o.is_floating_point() else o for o in outs]
         if self.end2end:
             return dict(zip(self.output_names, outs))
@@ -124,11 +115,157 @@ class ORTBackend:
         return preds if len(preds) > 1 else preds[0]
 
 
+def _missing_onnx(path: Path) -> QATError:
+    return QATError(f"ONNX file not found: {path}; export one with export_qat.py first.")
+
+
+class ORTBackend(_GraphBackend):
+    """Runs an exported ONNX graph (plain or End2End) with ONNX Runtime. ``threads``: its intra-op threads
+    (None: ONNX Runtime's default, one per core)."""
+
+    runtime = "ONNX Runtime"
+
+    def __init__(self, onnx_path: str | Path, device: torch.device | str = "cpu", *, threads: int | None = None):
+        import onnxruntime as ort
+        onnx_path = Path(onnx_path)
+        if not onnx_path.is_file():
+            raise _missing_onnx(onnx_path)
+        device = torch.device(device)
+        providers: list = ["CPUExecutionProvider"]
+        if device.type == "cuda":
+            if "CUDAExecutionProvider" not in ort.get_available_providers():
+                raise QATError("onnxruntime here has no CUDA provider; use --device cpu or install onnxruntime-gpu.")
+            providers.insert(0, ("CUDAExecutionProvider", {"device_id": device.index or 0}))
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
+        if threads:
+            opts.intra_op_num_threads = threads
+            opts.inter_op_num_threads = 1
+        try:
+            self.session = ort.InferenceSession(str(onnx_path), opts, providers=providers)
+        except Exception as e:  # onnxruntime raises its own types for unreadable graphs
+            raise QATError(f"ONNX Runtime cannot load {onnx_path} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                           f"re-export it with export_qat.py (graphs with TensorRT plugins, e.g. --nms trt, run in "
+                           f"TensorRT only: export with --nms onnx to evaluate here).") from e
+        inp = self.session.get_inputs()[0]
+        self.input_name = inp.name
+        outputs = self.session.get_outputs()
+        self._describe(onnx_path, inp.shape, inp.type == "tensor(float16)", [o.name for o in outputs],
+                       [len(o.shape) for o in outputs], self.session.get_modelmeta().custom_metadata_map)
+
+    def run(self, x: np.ndarray) -> list[np.ndarray]:
+        return self.session.run(None, {self.input_name: x})
+
+
+#: What ``./install_dependencies.sh --openvino`` installs.
+OPENVINO_INSTALL = "./install_dependencies.sh --openvino"
+
+
+def require_openvino():
+    """The ``openvino`` module, or a QATError naming the install command."""
+    try:
+        import openvino
+    except ImportError as e:
+        raise QATError(f"OpenVINO is not installed (import openvino: {e}); install it with {OPENVINO_INSTALL} "
+                       f"(pip install openvino), or score the graph with --backend onnxruntime.") from e
+    return openvino
+
+
+@functools.lru_cache(maxsize=None)
+def _saturation_notice() -> None:
+    from utils.qat.core.device import cpu_description
+    print(f"notice: this CPU ({cpu_description()[0]}) has no VNNI or AMX: OpenVINO's INT8 convolutions saturate "
+          f"16-bit sums here, so the INT8 graph scores lower on OpenVINO than it is; score it with --backend "
+          f"onnxruntime, or on a CPU with AVX512-VNNI, AVX-VNNI or AMX.")
+
+
+class OpenVINOBackend(_GraphBackend):
+    """Runs an exported ONNX graph (plain or End2End) with OpenVINO on the CPU. OpenVINO reads each Q/DQ pair
+    as a FakeQuantize and runs the quantized convolutions with INT8 kernels; what stays in floating point runs
+    in ``precision`` ('f32' by default: CPUs with AMX or AVX512-BF16 would otherwise run it in bf16, OpenVINO's
+    default there, and score another model than the graph).
+
+    ``threads``: inference threads (None: OpenVINO's default, every core); ``shape``: (B, 3, H, W) to fix the
+    input shape before compiling (a dynamic graph runs at any shape, a static shape runs faster);
+    ``profile``: per-layer times (:meth:`layer_times`), which cost a little speed.
+
+    On x86 CPUs without VNNI or AMX (AVX2, AVX-512 alone) OpenVINO's INT8 convolutions add pairs of 8-bit products
+    into 16-bit sums that saturate (OpenVINO's "saturation issue"; ``utils.qat.core.device.exact_int8_dot``): the
+    graph then computes something else than it says, and scores lower. :attr:`saturates` is True there for a
+    quantized graph, and a notice says so once per process.
+    """
+
+    runtime = "OpenVINO"
+
+    def __init__(self, onnx_path: str | Path, device: torch.device | str = "cpu", *, threads: int | None = None,
+                 shape: Sequence[int] | None = None, precision: str = "f32", profile: bool = False):
+        ov = require_openvino()
+        onnx_path = Path(onnx_path)
+        if not onnx_path.is_file():
+            raise _missing_onnx(onnx_path)
+        if torch.device(device).type != "cpu":
+            raise QATError(f"OpenVINO runs on the CPU here, not on {device}; pass --device cpu.")
+        core = ov.Core()
+        try:
+            model = core.read_model(str(onnx_path))
+            if shape is not None:
+                model.reshape({model.inputs[0].get_any_name(): ov.PartialShape([int(d) for d in shape])})
+            config = {"INFERENCE_PRECISION_HINT": precision, "PERFORMANCE_HINT": "LATENCY",
+                      "PERF_COUNT": bool(profile)}
+            if threads:
+                config["INFERENCE_NUM_THREADS"] = int(threads)
+            self.compiled = core.compile_model(model, "CPU", config)
+        except Exception as e:  # OpenVINO raises RuntimeError (and its own types) for graphs it cannot read
+            raise QATError(f"OpenVINO cannot load {onnx_path} ({type(e).__name__}: "
+                           f"{(str(e).strip().splitlines() or [''])[0][:200]}); re-export it with export_qat.py "
+                           f"(graphs with TensorRT plugins, e.g. --nms trt, run in TensorRT only: export with "
+                           f"--nms onnx to evaluate here).") from e
+        self.request = self.compiled.create_infer_request()
+        self.version = ov.get_version()
+        self.quantized = any(op.get_type_name() == "FakeQuantize" for op in model.get_ops())
+        self.saturates = self.quantized and exact_int8_dot() is False
+        if self.saturates:
+            _saturation_notice()
+        inp = self.compiled.inputs[0]
+        dims = [d.get_length() if d.is_static else None for d in inp.get_partial_shape()]
+        outputs = self.compiled.outputs
+        framework = model.get_rt_info()["framework"] if model.has_rt_info("framework") else {}
+        metadata = {k: model.get_rt_info(["framework", k]).astype(str) for k in framework}
+        self._describe(onnx_path, dims, inp.get_element_type() == ov.Type.f16, [o.get_any_name() for o in outputs],
+                       [o.get_partial_shape().rank.get_length() for o in outputs], metadata)
+
+    def run(self, x: np.ndarray) -> list[np.ndarray]:
+        self.request.infer({0: x})
+        return [self.request.get_output_tensor(i).data.copy() for i in range(len(self.output_names))]
+
+    def layers(self) -> list[dict]:
+        """The compiled model's execution graph, one entry per executed node: ``name``, ``type`` (OpenVINO's
+        layer type: Convolution, Eltwise, ...), ``precision`` (the precision it computes in: i8, u8, f32, ...),
+        ``primitive`` (the kernel, e.g. brgconv_avx512_I8) and ``fused`` (the ONNX nodes it runs)."""
+        out = []
+        for op in self.compiled.get_runtime_model().get_ordered_ops():
+            info = op.get_rt_info()
+            field = {k: info[k].astype(str) for k in ("layerType", "runtimePrecision", "primitiveType",
+                                                       "originalLayersNames") if k in info}
+            if field.get("layerType") in (None, "Const", "Input", "Output"):
+                continue
+            out.append({"name": op.get_friendly_name(), "type": field.get("layerType"),
+                        "precision": field.get("runtimePrecision"), "primitive": field.get("primitiveType"),
+                        "fused": field.get("originalLayersNames", "").split(",")})
+        return out
+
+    def layer_times(self) -> dict[str, float]:
+        """Microseconds per executed node in the last inference (``profile=True``), by node name."""
+        return {p.node_name: p.real_time.total_seconds() * 1e6 for p in self.request.get_profiling_info()
+                if p.real_time.total_seconds() > 0}
+
+
 def open_backend(path: str | PathLike, device: str = "", *, kind: str | None = None,
                  plugins: Sequence[str | PathLike] = (), trust: bool = False) -> Backend:
-    """The backend for a model file: ``kind`` 'torch' (a .pt checkpoint, quantized or FP), 'onnxruntime' (.onnx)
-    or 'tensorrt' (.engine, with its ``plugins`` libraries); by default from the suffix (:data:`FORMATS`).
-    ``device``: as ``--device`` takes it; '' is the first GPU (TensorRT, PyTorch) or the CPU (ONNX Runtime).
+    """The backend for a model file: ``kind`` 'torch' (a .pt checkpoint, quantized or FP), 'onnxruntime' or
+    'openvino' (.onnx) or 'tensorrt' (.engine, with its ``plugins`` libraries); by default from the suffix
+    (:data:`FORMATS`). ``device``: as ``--device`` takes it; '' is the first GPU (TensorRT, PyTorch) or the CPU
+    (ONNX Runtime, OpenVINO).
     ``trust``: read a .pt with the full pickle (``utils.qat.model.checkpoint.read``)."""
     path = Path(path)
     kind = kind or FORMATS.get(path.suffix.lower())
@@ -146,6 +283,8 @@ def open_backend(path: str | PathLike, device: str = "", *, kind: str | None = N
     from utils.qat.core.device import select_device
     if kind == "onnxruntime":
         return ORTBackend(path, select_device(device) if device else torch.device("cpu"))
+    if kind == "openvino":
+        return OpenVINOBackend(path, select_device(device) if device else torch.device("cpu"))
     from utils.qat.model import checkpoint
     ckpt = checkpoint.read(path, trust)
     task = checkpoint.task_of(ckpt)
