@@ -74,6 +74,10 @@ class Stopped(KeyboardInterrupt):
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
+def _ignore(_signum: int, _frame: object) -> None:
+    """The stop signals' handler once a stop has begun: nothing more happens."""
+
+
 class _Stop:
     """The first stop signal this process received (None before)."""
     signum: int | None = None
@@ -96,8 +100,10 @@ class _Stop:
         for sig in (*STOP_SIGNALS, signal.SIGINT):
             # from now until the process has ended: a second signal (torchrun sends SIGTERM to every rank once one
             # has failed; a second Ctrl-C) would cut the cleanup or the interpreter's exit short, and lose the line
-            # saying what was saved or end by the signal instead of the status. SIGKILL still ends it.
-            signal.signal(sig, signal.SIG_IGN)
+            # saying what was saved or end by the signal instead of the status. SIGKILL still ends it. A handler that
+            # does nothing, not SIG_IGN: a second signal caught by the C handler before this line would otherwise
+            # surface as "OSError: Signal 15 ignored due to race condition" at the next bytecode
+            signal.signal(sig, _ignore)
         # torch's SIGCHLD handler reports a DataLoader worker ended by the same signal as a failure, with a
         # traceback even at exit; the run is ending anyway, and its workers with it
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
