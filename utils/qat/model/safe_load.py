@@ -57,7 +57,8 @@ What a pickle can still reach, and why each is safe:
 - plain data: ``OrderedDict()`` and ``set(list)`` (module internals), ``torch.Size`` of integers, torch dtypes as
   values (quantized checkpoints' modelopt state), ``_codecs.encode(str, 'latin1')`` (bytes: the codec is named
   in the table, as it imports a codec module by name), numpy's ``_reconstruct`` / ``scalar`` / ``dtype`` with
-  exactly the argument kinds of a float array or scalar (``best_fitness``), and pathlib paths of strings
+  exactly the argument kinds of an array or scalar built from bytes (``best_fitness``; numpy itself refuses an
+  object array from bytes, and an object scalar: numpy 1 returned its bytes as they are), and pathlib paths of strings
   (``opt``): a path is built from its parts and nothing reads it (``PosixPath`` of another OS loads as its pure
   path: the full pickle fails on it).
 
