@@ -21,7 +21,7 @@ its amax and groups to the other ranks: every rank ends with one process's quant
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from modelopt.torch.quantization.calib import HistogramCalibrator
@@ -107,14 +107,15 @@ def _calibrate(model: nn.Module, batches: Iterable[torch.Tensor], config: QuantC
     return groups, search
 
 
-def _group_amax(model: nn.Module):
+def _group_amax(model: nn.Module) -> Callable[[list[str]], torch.Tensor | None]:
     """``tie="mse"``: the amax of a group from its members' histograms (modelopt's calibrators; a group with a
     member that has none, as with ``max`` or ``mse-image``, keeps the largest amax)."""
     modules = dict(model.named_modules())
 
     def amax(group: list[str]) -> torch.Tensor | None:
-        calibrators = [getattr(modules[n], "_calibrator", None) for n in group]
-        if not all(isinstance(c, HistogramCalibrator) and c._calib_hist is not None for c in calibrators):
+        found = [getattr(modules[n], "_calibrator", None) for n in group]
+        calibrators = [c for c in found if isinstance(c, HistogramCalibrator) and c._calib_hist is not None]
+        if len(calibrators) != len(group):
             return None
         return group_mse_amax([(c._calib_hist, c._calib_bin_edges) for c in calibrators], calibrators[0]._num_bits,
                               calibrators[0]._unsigned)
