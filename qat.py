@@ -64,6 +64,11 @@ def _calibration(p: argparse.ArgumentParser, task: str) -> None:
     p.add_argument("--head-batches", type=int, default=DEFAULT_HEAD_BATCHES,
                    help="--head-amax search: the calibration batches each candidate scale is scored on "
                         "(default: %(default)s)")
+    p.add_argument("--search-layers", default="", metavar="LAYERS",
+                   help="body layers (indices, ranges: 2-5) whose activation scales are searched after calibration "
+                        "like the head's, each candidate scored through the whole network on --head-batches "
+                        "batches (a whole forward pass per candidate: for GPUs; not measured yet: docs/QAT.md 'A "
+                        "real COCO model: YOLOv9-t')")
     p.add_argument("--tie", choices=TIES, default=DEFAULT_TIE,
                    help="the one scale of tensors TensorRT needs on one scale (a Concat's inputs, MaxPool): max = "
                         "the largest of their calibrated amax, mse = the least squared error over all of them "
@@ -171,10 +176,11 @@ def get_args_parser(task: str = "detect", prog: str = "qat.py", description: str
 
 def quant_config(args) -> QuantConfig:
     """The calibration settings of a ``quantize`` or ``sensitive`` command line."""
-    from utils.qat.quantize.config import QuantConfig
+    from utils.qat.quantize.config import QuantConfig, parse_layers
     return QuantConfig(method=args.calib_method, percentile=args.percentile,
                        skip=tuple(getattr(args, "skip_layers", "").split(",")), head_amax=args.head_amax,
-                       tie=args.tie, head_batches=args.head_batches)
+                       tie=args.tie, head_batches=args.head_batches,
+                       search_layers=parse_layers(getattr(args, "search_layers", "")))
 
 
 def _score(args, data: dict, device) -> Evaluation:
@@ -210,11 +216,14 @@ def _quantize(args, device, launch) -> Path | None:
     """PTQ, then QAT (``utils.qat.run.pipeline.qat``). Rank 0 (or the single process) evaluates, writes every
     file and prints (the recorder); the other ranks train on their shards and wait while rank 0 works."""
     from utils.qat.run.pipeline import qat
+    from utils.qat.quantize.head import check_layers
     from utils.qat.quantize.rules import fp_patterns
     from utils.qat.run.run_record import RunRecorder
     with distributed.same_on_every_rank():  # the checks every rank makes alike: one error, printed once
         fp = checkpoint.load_fp(args.weights, task=args.task, trust=args.trust_weights)
-        fp_patterns(fp, [s for s in args.skip_layers.split(",") if s.strip()])  # --skip-layers: before any evaluation
+        config = quant_config(args)
+        fp_patterns(fp, list(config.skip))  # --skip-layers and --search-layers: before any evaluation
+        check_layers(fp, config.search_layers)
         data = _data(args, ("train", "val"))
         args.hyp, hyp = hyp_argument(args.hyp, args.task)
         args.imgsz = validate.check_imgsz(args.imgsz, int(fp.stride.max()))
@@ -225,7 +234,7 @@ def _quantize(args, device, launch) -> Path | None:
                                title=f"yolov9-qat: {Path(args.weights).name} on {Path(args.data).name} at {args.imgsz}px",
                                world_size=launch.world_size if launch else 1,
                                eval_origin=not args.no_eval_origin, eval_ptq=not args.no_eval_ptq)
-    qat(fp, data, quant_config(args), None if args.ptq_only else qat_config(args), imgsz=args.imgsz,
+    qat(fp, data, config, None if args.ptq_only else qat_config(args), imgsz=args.imgsz,
         batch_size=args.batch_size, device=device, hyp=hyp, calib_batches=args.calib_batches, workers=args.workers,
         task=args.task, seed=args.seed, world_size=launch.world_size if launch else 1,
         local_rank=launch.local_rank if launch else -1, recorder=recorder)
@@ -244,15 +253,18 @@ def _one_process_device(spec: str, command: str, task: str = "detect"):
 def cmd_sensitive(args) -> Path:
     from utils.qat.core.atomic import write_text
     from utils.qat.run.pipeline import sensitivity
+    from utils.qat.quantize.head import check_layers
     device = _one_process_device(args.device, "sensitive", args.task)
     fp = checkpoint.load_fp(args.weights, task=args.task, trust=args.trust_weights)
+    config = quant_config(args)
+    check_layers(fp, config.search_layers)
     data = _data(args, ("train", "val"))
     if load_hyp(args.hyp) is not None:
         print("notice: --hyp sets the augmentation of QAT fine-tuning; sensitive only calibrates (on images without "
               "augmentation, as quantize does), so it is not used here.")
     args.imgsz = validate.check_imgsz(args.imgsz, int(fp.stride.max()))
     out = reports.run_dir(args.project, args.name, args.exist_ok)
-    base, layers = sensitivity(fp, data, quant_config(args), _score(args, data, device),
+    base, layers = sensitivity(fp, data, config, _score(args, data, device),
                                calib_batches=args.calib_batches, num_images=args.num_image)
     top = layers[:args.top]
     skip = ",".join(str(r["layer"]) for r in top if r["gain"] > 0)

@@ -31,7 +31,7 @@ def test_entropy_amax_is_modelopts_on_synthetic_histograms(yolov9_tree, seed):
         _modelopt(hist, edges), abs=0)
 
 
-@pytest.mark.slow  # modelopt's own method takes 1-2 s per quantizer on 2 cores: 24 of GELAN-QS's, spread over the model
+@pytest.mark.slow  # modelopt's own method takes 1-2 s per quantizer on 2 cores: about 9 of GELAN-QS's, spread over the model
 def test_entropy_amax_is_modelopts_on_real_activations(yolov9_tree, shared):
     """Histogram quantizers of GELAN-QS on 4 real images, every k-th from the first to the last (every one of
     GELAN-C's 195 matched modelopt exactly when compared once, docs/QAT.md): within one bin of modelopt."""
@@ -46,7 +46,7 @@ def test_entropy_amax_is_modelopts_on_real_activations(yolov9_tree, shared):
                          QuantConfig(method="entropy", head_amax="calibrated"))
     calibrators = [q._calibrator for q in enabled_quantizers(qmodel) if isinstance(q._calibrator, HistogramCalibrator)]
     assert len(calibrators) > 100
-    step = len(calibrators) // 23
+    step = len(calibrators) // 8
     for c in calibrators[::step] + calibrators[-1:]:
         width = float(c._calib_bin_edges[1] - c._calib_bin_edges[0])
         ours = float(entropy_amax(c._calib_hist, c._calib_bin_edges))

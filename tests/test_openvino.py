@@ -217,3 +217,48 @@ def test_openvino_backend_sentences(yolov9_tree, openvino, graphs, shapes, tmp_p
     error = cli_error(yolov9_tree, "val_trt.py", "--engine-file", str(tmp_path / "m.engine"), "--backend", "openvino",
                       "--data", str(shapes))
     assert "--backend openvino runs ONNX graphs" in error
+
+
+def test_benchmark_cpu_times_the_bf16_default_where_the_cpu_has_it(yolov9_tree, openvino, graphs, monkeypatch):
+    """On a CPU with AMX-BF16 or AVX512-BF16 OpenVINO would run the FP32 graph in bf16 by default: the benchmark
+    times that too, and its table says so (faked here: OpenVINO falls back to f32 where bf16 is missing)."""
+    from utils.qat.evaluation import cpu_bench
+    real = cpu_bench.cpu_info
+    monkeypatch.setattr(cpu_bench, "cpu_info", lambda: {**real(), "isa": {**(real()["isa"] or {}), "AMX-BF16": True}})
+    doc = cpu_bench.measure({"qs": graphs}, runtimes=("openvino",), batches=(1,), imgsz=64, threads=1, warmup=0,
+                            runs=1, layers=False)
+    (row,) = doc["models"]["qs"]["runs"]
+    assert row[cpu_bench.BF16]["times_ms"] and row["speedup_vs_bf16"] > 0
+    assert "the FP32 graph timed that way" in cpu_bench.render_markdown(doc)
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_cpu_deploy_end_to_end_from_a_checkpoint(yolov9_tree, openvino, shapes, tmp_path):
+    """benchmarks/cpu_deploy.py as run from a patched tree (a subprocess, so its exit status counts): the quickstart
+    checkpoint calibrated, exported FP32 and INT8, scored on both runtimes and timed; JSON, table and plot written;
+    the FP32 graph scores alike on both runtimes, and OpenVINO's INT8 score sits near ONNX Runtime's only where the
+    CPU has exact 8-bit dot products."""
+    from PIL import Image
+
+    from utils.qat.core.device import exact_int8_dot
+    out = tmp_path / "cpu"
+    r = run_tool(yolov9_tree, str(REPO / "benchmarks" / "cpu_deploy.py"), "--model", f"qs={QS_WEIGHTS}",
+                 "--data", str(shapes), "--imgsz", "256", "--device", "cpu", "--calib-batches", "1", "--batch-size",
+                 "8", "--workers", "0", "--num-image", "16", "--batch", "1", "--threads", "1", "--warmup", "0",
+                 "--runs", "1", "--head-amax", "calibrated", "--out", str(out))
+    assert r.returncode == 0, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+    doc = json.loads((out / "cpu-deploy.json").read_text())
+    facts = doc["graphs"]["qs"]
+    assert facts["lint_findings"] == 0 and facts["calibration"]["batches"] == 1
+    scores = {(p, rt): facts["map"][p][rt]["mAP50_95"] for p in ("FP32", "INT8") for rt in ("onnxruntime", "openvino")}
+    assert all(facts["map"][p][rt]["images"] == 16 for p, rt in scores)
+    assert abs(scores["FP32", "openvino"] - scores["FP32", "onnxruntime"]) <= 0.002, scores
+    assert scores["INT8", "onnxruntime"] > 0.5, scores
+    if exact_int8_dot():
+        assert abs(scores["INT8", "openvino"] - scores["INT8", "onnxruntime"]) <= 0.02, scores
+    runs = doc["speed"]["models"]["qs"]["runs"]
+    assert [(x["runtime"], x["batch"]) for x in runs] == [("onnxruntime", 1), ("openvino", 1)]
+    md = (out / "cpu-deploy.md").read_text()
+    assert "| qs | INT8 |" in md and "### FP32 vs INT8" in md
+    Image.open(out / "cpu-deploy.png").verify()

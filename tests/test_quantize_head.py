@@ -96,3 +96,52 @@ def test_config_checks_and_records_the_choice():
     info = QuantInfo(QuantConfig(head_amax="search"))
     assert QuantInfo.from_dict(info.to_dict()).config.head_amax == "search"
     assert QuantInfo.from_dict({"calib_method": "max"}).config.head_amax == "calibrated"  # older checkpoints
+
+
+@pytest.mark.slow
+def test_search_layers_scale_the_body_by_the_whole_networks_error(calibrated, images, capsys):
+    """``--search-layers``: a body layer's scales searched through the whole network, before the head's; a
+    deliberately clipping scale there (x0.5) is moved up, the loss falls, nothing outside the layer and the head
+    moves, and the record names the layers."""
+    import copy
+
+    from utils.qat.quantize.head import BODY_FACTORS, search_head_amax, searchable
+    qmodel, info = calibrated
+    qmodel = copy.deepcopy(qmodel)
+    units = searchable(qmodel, info.scale_groups, layers=(2,), head=False)
+    assert units and all(n.startswith("model.2.") for u in units for n in u)
+    modules = dict(qmodel.named_modules())
+    for n in units[0]:
+        modules[n].amax = modules[n].amax * 0.5
+    before = _amax(qmodel)
+    result = search_head_amax(qmodel, [images], info.scale_groups, layers=(2,), head=False)
+    after = _amax(qmodel)
+    assert result["loss_after"] < result["loss_before"] and result["layers"] == [2]
+    assert set(result["factors"]) == {u[0] for u in units} and set(result["factors"].values()) <= set(BODY_FACTORS)
+    assert result["factors"][units[0][0]] > 1.0  # the clipped scale opened up again
+    searched = {n for u in units for n in u}
+    for name, amax in before.items():
+        if name not in searched:
+            assert torch.equal(after[name], amax), name
+    assert "body amax search:" in capsys.readouterr().out
+
+
+def test_search_layers_checked_and_recorded(calibrated):
+    from utils.qat.quantize.config import QuantConfig, QuantInfo, parse_layers
+    from utils.qat.quantize.head import check_layers
+    from utils.qat.core.errors import QATError
+    from utils.qat.quantize.head import span
+    assert parse_layers("2-4, 7") == (2, 3, 4, 7) and parse_layers("") == ()
+    assert span(parse_layers("7,2-4,9,10")) == "2-4,7,9-10"
+    for bad in ("a", "4-2", "1-", "-3"):
+        with pytest.raises(QATError, match="--search-layers"):
+            parse_layers(bad)
+    qmodel, _ = calibrated
+    head = len(qmodel.model) - 1
+    check_layers(qmodel, range(head))
+    with pytest.raises(QATError, match=f"layers before its detect head are 0-{head - 1}"):
+        check_layers(qmodel, [head])
+    config = QuantConfig(search_layers=(4, 2, 2), head_amax="calibrated")
+    assert config.search_layers == (2, 4) and config.searches
+    assert QuantInfo.from_dict(QuantInfo(config).to_dict()).config.search_layers == (2, 4)
+    assert QuantInfo.from_dict({"calib_method": "max"}).config.search_layers == ()  # older checkpoints

@@ -131,6 +131,13 @@ def test_skip_layers_checked_before_the_origin_evaluation(yolov9_tree, shapes, t
     out = capsys.readouterr()
     assert "Origin" not in out.out + out.err
     assert not (tmp_path / "runs").exists()
+    assert "--search-layers 'two': give layer indices and ranges" in cli_error(
+        yolov9_tree, "qat.py", "quantize", *common, "--search-layers", "two")
+    error = cli_error(yolov9_tree, "qat.py", "quantize", *common, "--search-layers", "3,40-41")
+    assert error.startswith("--search-layers 40-41: this model's layers before its detect head are 0-"), error
+    out = capsys.readouterr()
+    assert "Origin" not in out.out + out.err
+    assert not (tmp_path / "runs").exists()
 
 
 def test_val_trt_sh_ranges(tmp_path):

@@ -74,8 +74,17 @@ class Stopped(KeyboardInterrupt):
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
-def _ignore(_signum: int, _frame: object) -> None:
-    """The stop signals' handler once a stop has begun: nothing more happens."""
+def _race_notice_dropped(unraisable: sys.UnraisableHookArgs) -> None:
+    """``sys.unraisablehook`` once a stop has begun: CPython reports a signal that reached its C handler just
+    before the switch to SIG_IGN as "OSError: Signal 15 ignored due to race condition" (not raised, printed);
+    that signal was meant to be ignored, so the notice is dropped and anything else reported as before."""
+    exc = unraisable.exc_value
+    if isinstance(exc, OSError) and str(exc).endswith("ignored due to race condition"):
+        return
+    _previous_unraisablehook(unraisable)
+
+
+_previous_unraisablehook = sys.unraisablehook
 
 
 class _Stop:
@@ -97,13 +106,16 @@ class _Stop:
         if self.signum is not None:
             return  # a second signal that was already on its way
         self.signum = signum
+        global _previous_unraisablehook
+        _previous_unraisablehook, sys.unraisablehook = sys.unraisablehook, _race_notice_dropped
         for sig in (*STOP_SIGNALS, signal.SIGINT):
             # from now until the process has ended: a second signal (torchrun sends SIGTERM to every rank once one
             # has failed; a second Ctrl-C) would cut the cleanup or the interpreter's exit short, and lose the line
-            # saying what was saved or end by the signal instead of the status. SIGKILL still ends it. A handler that
-            # does nothing, not SIG_IGN: a second signal caught by the C handler before this line would otherwise
-            # surface as "OSError: Signal 15 ignored due to race condition" at the next bytecode
-            signal.signal(sig, _ignore)
+            # saying what was saved or end by the signal instead of the status. SIGKILL still ends it. SIG_IGN, not
+            # a Python handler that does nothing: the interpreter puts SIG_DFL back for its own handlers as it
+            # finalizes, and torchrun's SIGTERM landing then (a rank slower to exit than rank 0) would end the
+            # process by the signal
+            signal.signal(sig, signal.SIG_IGN)
         # torch's SIGCHLD handler reports a DataLoader worker ended by the same signal as a failure, with a
         # traceback even at exit; the run is ending anyway, and its workers with it
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)

@@ -175,8 +175,9 @@ def require_openvino():
 def _saturation_notice() -> None:
     from utils.qat.core.device import cpu_description
     print(f"notice: this CPU ({cpu_description()[0]}) has no VNNI or AMX: OpenVINO's INT8 convolutions saturate "
-          f"16-bit sums here, so the INT8 graph scores lower on OpenVINO than it is; score it with --backend "
-          f"onnxruntime, or on a CPU with AVX512-VNNI, AVX-VNNI or AMX.")
+          f"16-bit sums here, and its outputs for this INT8 graph are wrong (YOLOv9-t and GELAN-C scored mAP50-95 "
+          f"0.000-0.003 on such a CPU); score the graph with --backend onnxruntime, run the FP32 graph on OpenVINO "
+          f"here, or deploy INT8 on a CPU with AVX512-VNNI, AVX-VNNI or AMX.")
 
 
 class OpenVINOBackend(_GraphBackend):
@@ -191,8 +192,10 @@ class OpenVINOBackend(_GraphBackend):
 
     On x86 CPUs without VNNI or AMX (AVX2, AVX-512 alone) OpenVINO's INT8 convolutions add pairs of 8-bit products
     into 16-bit sums that saturate (OpenVINO's "saturation issue"; ``utils.qat.core.device.exact_int8_dot``): the
-    graph then computes something else than it says, and scores lower. :attr:`saturates` is True there for a
-    quantized graph, and a notice says so once per process.
+    graph then computes something else than it says. On YOLO graphs the outputs are useless there (mAP50-95 near 0
+    on an AMD EPYC with AVX2 alone, benchmarks/results/cpu-deploy-2core-avx2.md; weights re-encoded on 7 bits
+    make a single convolution exact but not the network: README "Deploying on CPUs"). :attr:`saturates` is True there for a quantized graph,
+    and a notice says so once per process.
     """
 
     runtime = "OpenVINO"

@@ -10,7 +10,7 @@ INT8 speed-up (FP32 median / INT8 median); per machine: the CPU, its cores, the 
 depends on (AVX2; AVX512-VNNI / AVX-VNNI: 8-bit dot products; AMX: tile matrix units), the load average
 before and after, and the runtimes' versions. OpenVINO runs what its INT8 kernels do not cover in FP32
 (``INFERENCE_PRECISION_HINT`` f32: on AMX or AVX512-BF16 CPUs it would otherwise choose bf16, and the FP32
-column would not be FP32). For each OpenVINO INT8 graph, a few profiled inferences add its execution graph:
+column would not be FP32); on those CPUs the FP32 graph is timed in bf16 as well (:data:`BF16`). For each OpenVINO INT8 graph, a few profiled inferences add its execution graph:
 the convolutions by the precision they ran in, those left in floating point by name with the reason read
 from the ONNX graph, and the share of time spent in each precision.
 
@@ -37,6 +37,9 @@ from utils.qat.evaluation.backends import ONNX_RUNTIMES, RUNTIMES, OpenVINOBacke
 
 #: What is compared; FP32 is the baseline.
 PRECISIONS = ("FP32", "INT8")
+#: The FP32 graph on OpenVINO in bf16, timed too on CPUs with AMX-BF16 or AVX512-BF16, where OpenVINO picks bf16
+#: for floating point by default: what a user who does not pin f32 gets from the FP32 graph there.
+BF16 = "FP32 graph in bf16"
 #: /proc/cpuinfo flags that decide INT8 (and bf16) speed on x86, as the report names them.
 ISA_FLAGS = {"avx2": "AVX2", "avx512f": "AVX512F", "avx512_vnni": "AVX512-VNNI", "avx_vnni": "AVX-VNNI",
              "avx512_bf16": "AVX512-BF16", "amx_tile": "AMX", "amx_int8": "AMX-INT8", "amx_bf16": "AMX-BF16"}
@@ -91,10 +94,12 @@ def versions(runtimes: Sequence[str]) -> dict[str, str | None]:
 
 # ----------------------------------------------------------------------------------------------- measuring
 def open_graph(runtime: str, path: str | os.PathLike, *, batch: int, imgsz: int, threads: int,
-               profile: bool = False) -> ORTBackend | OpenVINOBackend:
-    """``path`` opened on ``runtime`` with ``threads`` threads for a batch x 3 x imgsz x imgsz input."""
+               profile: bool = False, precision: str = "f32") -> ORTBackend | OpenVINOBackend:
+    """``path`` opened on ``runtime`` with ``threads`` threads for a batch x 3 x imgsz x imgsz input
+    (OpenVINO: what is not INT8 in ``precision``)."""
     if runtime == "openvino":
-        return OpenVINOBackend(path, threads=threads, shape=(batch, 3, imgsz, imgsz), profile=profile)
+        return OpenVINOBackend(path, threads=threads, shape=(batch, 3, imgsz, imgsz), profile=profile,
+                               precision=precision)
     if runtime == "onnxruntime":
         backend = ORTBackend(path, threads=threads)
         fixed = (backend.batch_size, *(backend.imgsz or ()))
@@ -224,15 +229,22 @@ def measure(models: Mapping[str, Mapping[str, str | os.PathLike]], *, runtimes: 
                                         "warmup": warmup, "runs": runs, "openvino_precision": "f32",
                                         "input": f"uniform random [0, 1), seed {seed}"},
                            "models": {}}
+    isa = doc["machine"]["isa"] or {}
+    bf16 = bool(isa.get("AMX-BF16") or isa.get("AVX512-BF16"))
     rng = np.random.default_rng(seed)
     cases = [(name, runtime, b) for name in models for runtime in runtimes for b in batches]
     bar = progress(cases, desc="CPU benchmark", unit="case")
     for name, runtime, b in bar:
         x = rng.random((b, 3, imgsz, imgsz), dtype=np.float32)
         graphs = {p: open_graph(runtime, models[name][p], batch=b, imgsz=imgsz, threads=threads) for p in PRECISIONS}
+        if runtime == "openvino" and bf16:  # what OpenVINO does with the FP32 graph by default on this CPU
+            graphs[BF16] = open_graph(runtime, models[name]["FP32"], batch=b, imgsz=imgsz, threads=threads,
+                                      precision="bf16")
         times = time_pair(graphs, x, warmup=warmup, runs=runs)
-        row = {"runtime": runtime, "batch": b, **{p: stats(times[p], b) for p in PRECISIONS}}
+        row = {"runtime": runtime, "batch": b, **{p: stats(times[p], b) for p in graphs}}
         row["speedup"] = round(row["FP32"]["median_ms"] / row["INT8"]["median_ms"], 3)
+        if BF16 in row:
+            row["speedup_vs_bf16"] = round(row[BF16]["median_ms"] / row["INT8"]["median_ms"], 3)
         entry = doc["models"].setdefault(name, {"graphs": {p: str(models[name][p]) for p in PRECISIONS},
                                                 "runs": []})
         entry["runs"].append(row)
@@ -277,6 +289,16 @@ def render_markdown(doc: Mapping[str, Any]) -> str:
                        f"{f['images_per_s']:.1f} | {i['images_per_s']:.1f} | **{r['speedup']:.2f}x** |")
     out += ["", "Latency: median of the timed rounds (one synchronous inference of one batch); img/s: batch / "
                 "median latency; speed-up: FP32 median / INT8 median (above 1: INT8 is faster)."]
+    bf16_rows = [(name, r) for name, e in doc["models"].items() for r in e["runs"] if BF16 in r]
+    if bf16_rows:
+        out += ["", "OpenVINO runs floating point in bf16 by default on this CPU (AMX-BF16 or AVX512-BF16); the FP32 "
+                    "graph timed that way in the same rounds:", "",
+                "| model | batch | FP32 graph in bf16, ms (p10-p90) | img/s | INT8 speed-up over it |",
+                "|---|---:|---:|---:|---:|"]
+        for name, r in bf16_rows:
+            b = r[BF16]
+            out.append(f"| {name} | {r['batch']} | {b['median_ms']:.1f} ({_spread(b)}) | {b['images_per_s']:.1f} | "
+                       f"**{r['speedup_vs_bf16']:.2f}x** |")
     for name, entry in doc["models"].items():
         lay = entry.get("openvino_int8_layers")
         if not lay:

@@ -44,7 +44,7 @@ def calibrate(model: nn.Module, batches: Iterable[torch.Tensor], config: QuantCo
               num_batches: int | None = None) -> tuple[list[list[str]], dict]:
     """Collect statistics over ``batches`` (images as float tensors on the model's device), set amax on
     every enabled quantizer with ``config.method``, then give each shared-scale group one amax and, with
-    ``config.head_amax == "search"``, search the head's input scales. Returns ``(groups, head_search)``:
+    ``config.head_amax == "search"`` or ``config.search_layers``, search those scales (``head.py``). Returns ``(groups, head_search)``:
     the groups, and the search's summary (``{}`` without one; else ``factors``, ``loss_before``,
     ``loss_after``, ``batches``: ``QuantInfo.head_search``). ``example``:
     the input traced to find the groups (default: the first calibration image).
@@ -77,14 +77,14 @@ def _calibrate(model: nn.Module, batches: Iterable[torch.Tensor], config: QuantC
     training = model.training
     model.eval()
     seen = 0
-    kept: list[torch.Tensor] = []  # the first batches again, for the head amax search
+    kept: list[torch.Tensor] = []  # the first batches again, for the amax search
     try:
         with collecting([q for q in quantizers if id(q) not in own_ids]), quantizers_off(own):
             for images in progress(batches, total=num_batches, desc=f"calibrating ({config.method})"):
                 model(images)
                 if example is None:
                     example = images[:1]
-                if config.head_amax == "search" and len(kept) < config.head_batches:
+                if config.searches and len(kept) < config.head_batches:
                     kept.append(images)
                 seen += 1
                 if num_batches is not None and seen >= num_batches:
@@ -103,7 +103,8 @@ def _calibrate(model: nn.Module, batches: Iterable[torch.Tensor], config: QuantC
         model.train(training)
     groups = rules.scale_groups(model, example)  # the calibrators keep their histograms for tie="mse"
     rules.tie_scales(model, groups, _group_amax(model) if config.tie == "mse" else None)
-    search = search_head_amax(model, kept, groups) if config.head_amax == "search" else {}
+    search = search_head_amax(model, kept, groups, layers=config.search_layers,
+                              head=config.head_amax == "search") if config.searches else {}
     return groups, search
 
 

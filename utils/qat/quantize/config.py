@@ -29,21 +29,41 @@ DEFAULT_TIE = "max"
 DEFAULT_HEAD_BATCHES = 4  # calibration batches the head search scores each candidate on
 
 
+def parse_layers(text: str) -> tuple[int, ...]:
+    """``--search-layers``: layer indices and ranges, ``2-5`` or ``1,3,6-8`` (empty: none)."""
+    layers: set[int] = set()
+    for item in (t.strip() for t in text.split(",")):
+        if not item:
+            continue
+        first, sep, last = item.partition("-")
+        if not (first.isdigit() and (not sep or last.isdigit())) or (sep and int(last) < int(first)):
+            raise QATError(f"--search-layers '{text}': give layer indices and ranges such as 2-5 or 1,3,6-8.")
+        layers.update(range(int(first), int(last if sep else first) + 1))
+    return tuple(sorted(layers))
+
+
 @dataclass(frozen=True)
 class QuantConfig:
     """The settings of a quantization: the activation calibration method (weights are always per-channel
     max), the percentile (``method="percentile"``) and the layers kept in FP (``--skip-layers`` items: layer
     indices of ``model.model`` or module-name patterns), and how the detect head's input scales are chosen
     (``head_amax``: ``calibrated`` like every other, or ``search``ed by the head's output error, scoring each
-    candidate on ``head_batches`` calibration batches), and how a shared-scale group gets its one amax (``tie``:
-    ``max``, its members' largest; ``mse``, the value with the least squared error summed over the members'
-    histograms)."""
+    candidate on ``head_batches`` calibration batches), the body layers whose activation scales are searched the
+    same way first (``search_layers``: indices of ``model.model``), and how a shared-scale group gets its one amax
+    (``tie``: ``max``, its members' largest; ``mse``, the value with the least squared error summed over the
+    members' histograms)."""
     method: str = DEFAULT_CALIB_METHOD
     percentile: float = DEFAULT_PERCENTILE
     skip: tuple[str, ...] = ()
     head_amax: str = DEFAULT_HEAD_AMAX
     tie: str = DEFAULT_TIE
     head_batches: int = DEFAULT_HEAD_BATCHES
+    search_layers: tuple[int, ...] = ()
+
+    @property
+    def searches(self) -> bool:
+        """Whether calibration ends with a search of scales (the head's, or body layers')."""
+        return self.head_amax == "search" or bool(self.search_layers)
 
     def __post_init__(self) -> None:
         if self.method not in CALIB_METHODS:
@@ -53,13 +73,14 @@ class QuantConfig:
         if self.tie not in TIES:
             raise QATError(f"unknown --tie '{self.tie}'; choose one of {', '.join(TIES)}.")
         object.__setattr__(self, "skip", tuple(str(s).strip() for s in self.skip if str(s).strip()))
+        object.__setattr__(self, "search_layers", tuple(sorted({int(i) for i in self.search_layers})))
 
 
 @dataclass(frozen=True)
 class QuantInfo:
     """What a quantized model was made with: its settings, and what was derived from them for this model
     (the module-name patterns kept in FP, the calibration's shared-scale groups, and with ``--head-amax
-    search`` what the search chose: ``{"factors": {quantizer: multiple}, "loss_before", "loss_after",
+    search`` or ``--search-layers`` what the search chose: ``{"factors": {quantizer: multiple}, "loss_before", "loss_after",
     "batches"}``). Travels in its checkpoint."""
     config: QuantConfig = field(default_factory=QuantConfig)
     fp_patterns: list[str] = field(default_factory=list)
@@ -70,7 +91,8 @@ class QuantInfo:
         """The checkpoint's ``quant`` entry (flat, as checkpoints have always stored it)."""
         return {"calib_method": self.config.method, "percentile": self.config.percentile,
                 "skip": list(self.config.skip), "head_amax": self.config.head_amax, "tie": self.config.tie,
-                "head_batches": self.config.head_batches, "fp_patterns": list(self.fp_patterns),
+                "head_batches": self.config.head_batches, "search_layers": list(self.config.search_layers),
+                "fp_patterns": list(self.fp_patterns),
                 "scale_groups": [list(g) for g in self.scale_groups], "head_search": dict(self.head_search)}
 
     @classmethod
@@ -78,6 +100,7 @@ class QuantInfo:
         config = QuantConfig(method=d.get("calib_method", DEFAULT_CALIB_METHOD),
                              percentile=d.get("percentile", DEFAULT_PERCENTILE), skip=tuple(d.get("skip", ())),
                              head_amax=d.get("head_amax", "calibrated"),  # older checkpoints: no search
-                             tie=d.get("tie", "max"), head_batches=d.get("head_batches", DEFAULT_HEAD_BATCHES))
+                             tie=d.get("tie", "max"), head_batches=d.get("head_batches", DEFAULT_HEAD_BATCHES),
+                             search_layers=tuple(d.get("search_layers", ())))
         return cls(config, fp_patterns=list(d.get("fp_patterns", ())),
                    scale_groups=[list(g) for g in d.get("scale_groups", ())], head_search=dict(d.get("head_search", {})))

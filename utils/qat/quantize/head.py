@@ -1,6 +1,8 @@
-"""The detect head's activation scales chosen by the head's output error (``--head-amax search``).
+"""Activation scales chosen by the head's output error: the detect head's (``--head-amax search``) and, with
+``--search-layers``, those of chosen body layers.
 
-    result = search_head_amax(qmodel, batches, groups)   # after calibration, on a few calibration batches
+    result = search_head_amax(qmodel, batches, groups)                # after calibration, a few calibration batches
+    result = search_head_amax(qmodel, batches, groups, layers=(2, 3))  # layers 2 and 3 first, then the head
 
 Calibration gives every activation quantizer the amax that minimises that tensor's own error. On GELAN-C
 the head's input quantizers carry about three quarters of the INT8 loss (docs/QAT.md "Where the INT8 loss sits, and the evaluation with TF32 off"), and
@@ -13,20 +15,28 @@ re-run per candidate, so the search costs a few hundred head evaluations.
 
 A quantizer whose shared-scale group reaches outside the head (a head input that is also the input of a
 body layer with a tied scale) keeps its calibrated amax: changing it would change the body too.
+
+Body layers (``layers``: indices of ``model.model``) are searched the same way before the head, in module order,
+each candidate scored by the whole network's run to the same loss (the FP head's outputs cached once), with wider
+multiples (:data:`BODY_FACTORS`): calibration picks each scale by the error of its own tensor, and on a small
+model trained on COCO (YOLOv9-t) the mse scales of the early layers clip tails that the detections need
+(docs/QAT.md "A real COCO model: YOLOv9-t").
 """
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
 
+from utils.qat.core.errors import QATError
 from utils.qat.quantize.rules import input_quantizers
 from utils.qat.quantize.state import enabled_quantizers, quantizers_off
 from utils.qat.core.progress import progress
 
 FACTORS = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5)
+BODY_FACTORS = (0.7, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0)
 SEARCH_BATCHES = 4
 
 
@@ -54,13 +64,17 @@ class _HeadInputs:
         return self.inputs
 
 
-def searchable(model: nn.Module, groups: Sequence[Sequence[str]]) -> list[list[str]]:
-    """The head's enabled per-tensor input quantizers as search units (names in ``model``): a shared-scale
-    group inside the head is one unit; a quantizer tied to one outside the head is left out."""
+def searchable(model: nn.Module, groups: Sequence[Sequence[str]], layers: Iterable[int] = (),
+               head: bool = True) -> list[list[str]]:
+    """The enabled per-tensor input quantizers of ``layers`` (indices of ``model.model``) and, with ``head``, of
+    the detect head, as search units (names in ``model``, in module order): a shared-scale group whose members
+    are all searched is one unit; a quantizer tied to one outside them is left out."""
     index = len(model.model) - 1
-    prefix = f"model.{index}."
+    prefixes = tuple(f"model.{i}." for i in sorted(set(layers) | ({index} if head else set())))
+    if not prefixes:
+        return []
     names = [n for n, q in input_quantizers(model).items()
-             if n.startswith(prefix) and q.amax is not None and q.amax.numel() == 1]
+             if n.startswith(prefixes) and q.amax is not None and q.amax.numel() == 1]
     grouped = {n: list(g) for g in groups for n in g}
     units, done = [], set()
     for n in names:
@@ -68,66 +82,122 @@ def searchable(model: nn.Module, groups: Sequence[Sequence[str]]) -> list[list[s
             continue
         unit = grouped.get(n, [n])
         done.update(unit)
-        if all(m.startswith(prefix) for m in unit):
+        if all(m.startswith(prefixes) for m in unit):
             units.append(unit)
     return units
 
 
+def span(layers: Iterable[int]) -> str:
+    """``0-5,7``: layer indices as ranges, as ``--search-layers`` takes them."""
+    runs: list[list[int]] = []
+    for i in sorted(set(layers)):
+        if runs and runs[-1][-1] == i - 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
+
+
+def check_layers(model: nn.Module, layers: Iterable[int]) -> None:
+    """``--search-layers`` names layers before the detect head."""
+    last = len(model.model) - 1
+    wrong = sorted(i for i in layers if not 0 <= i < last)
+    if wrong:
+        raise QATError(f"--search-layers {span(wrong)}: this model's layers before its detect head "
+                       f"are 0-{last - 1}; give indices in that range (the head's scales are --head-amax search).")
+
+
+def _descend(units: list[list[str]], modules: dict[str, nn.Module], loss: Callable[[], float], best_loss: float,
+             factors: Sequence[float], desc: str) -> tuple[dict[str, float], float]:
+    """Coordinate descent: each unit's amax set, in turn, to the multiple of its value in ``factors`` with the
+    lowest ``loss`` (``best_loss``: the loss as things stand)."""
+    chosen: dict[str, float] = {}
+    for unit in progress(units, desc=desc):
+        quantizers = [modules[n] for n in unit]
+        start = [q.amax.detach().clone() for q in quantizers]
+        best = 1.0
+        for f in factors:
+            if f == 1.0:
+                continue
+            for q, a in zip(quantizers, start):
+                q.amax = a * f
+            value = loss()
+            if value < best_loss:
+                best_loss, best = value, f
+        for q, a in zip(quantizers, start):
+            q.amax = a * best
+        chosen[unit[0]] = best
+    return chosen, best_loss
+
+
 @torch.no_grad()
 def search_head_amax(model: nn.Module, batches: Iterable[torch.Tensor], groups: Sequence[Sequence[str]],
-                     factors: Sequence[float] = FACTORS) -> dict:
-    """Set each searchable head input amax to the multiple of its calibrated value (one of ``factors``) that
-    gives the lowest head distillation loss over ``batches``, and print one line saying what moved. Returns
-    the record ``QuantInfo.head_search`` keeps: ``{"factors": {first name of each unit: factor}, "loss_before",
-    "loss_after", "batches"}`` (``{}`` when the head has nothing to search, e.g. it is kept in FP)."""
+                     factors: Sequence[float] = FACTORS, layers: Iterable[int] = (), head: bool = True) -> dict:
+    """Set each searchable amax to the multiple of its calibrated value that gives the lowest head distillation
+    loss over ``batches``: first those of the body ``layers`` (one of :data:`BODY_FACTORS`), then, with ``head``,
+    the head's inputs (one of ``factors``); print one line saying what moved. Returns the record
+    ``QuantInfo.head_search`` keeps: ``{"factors": {first name of each unit: factor}, "loss_before",
+    "loss_after", "batches"}`` (``{}`` when there is nothing to search, e.g. the head is kept in FP)."""
     from utils.qat.quantize.objectives import head_distillation
-    head = model.model[-1]
-    units = searchable(model, groups)
-    if not units:
-        print("head amax search: the head has no activation scale of its own to search (kept in FP?)", flush=True)
+    detect = model.model[-1]
+    layers = sorted(set(layers))
+    body_units = searchable(model, groups, layers, head=False)
+    head_units = searchable(model, groups) if head else []
+    if not body_units and not head_units:
+        if layers:
+            where = f"amax search: layers {span(layers)}{' and the head' if head else ''} have no activation scale"
+        else:
+            where = "head amax search: the head has no activation scale of its own"
+        print(f"{where} to search (kept in FP?)", flush=True)
         return {}
     modules = dict(model.named_modules())
     everything = enabled_quantizers(model)
     training = model.training
     model.eval()
-    head.train()  # the raw maps the objective reads; the capture stops before the head runs
-    capture = _HeadInputs(head)
-    cached = []
+    detect.train()  # the raw maps the objective reads
+    capture = _HeadInputs(detect)
+    batches = list(batches)
+    chosen: dict[str, float] = {}
     try:
-        for images in batches:
-            quantized = capture.run(model, images)
-            with quantizers_off(everything):
-                target = head(capture.run(model, images))
-            cached.append((quantized, target))
+        with quantizers_off(everything):
+            targets = [detect(capture.run(model, images)) for images in batches]
 
-        def loss() -> float:
+        def whole() -> float:  # the network run from its input
             total = 0.0
-            for quantized, target in cached:  # the head writes into the list it is given: a fresh one each time
-                parts = head_distillation(head(list(quantized)), target, head.reg_max, head.nc)
-                total += float(sum(parts.values()))
+            for images, target in zip(batches, targets):
+                total += float(sum(head_distillation(model(images), target, detect.reg_max, detect.nc).values()))
+            return total / len(batches)
+
+        cached: list[list[torch.Tensor]] = []
+
+        def head_only() -> float:  # the body's output cached; the head writes into the list it is given: a copy
+            total = 0.0
+            for quantized, target in zip(cached, targets):
+                total += float(sum(head_distillation(detect(list(quantized)), target, detect.reg_max,
+                                                     detect.nc).values()))
             return total / len(cached)
 
-        chosen: dict[str, float] = {}
-        best_loss = before = loss()
-        for unit in progress(units, desc="head amax search"):
-            quantizers = [modules[n] for n in unit]
-            start = [q.amax.detach().clone() for q in quantizers]
-            best = 1.0
-            for f in factors:
-                if f == 1.0:
-                    continue
-                for q, a in zip(quantizers, start):
-                    q.amax = a * f
-                value = loss()
-                if value < best_loss:
-                    best_loss, best = value, f
-            for q, a in zip(quantizers, start):
-                q.amax = a * best
-            chosen[unit[0]] = best
+        if body_units:
+            before = whole()
+            found, best_loss = _descend(body_units, modules, whole, before, BODY_FACTORS, "body amax search")
+            chosen.update(found)
+        if head_units:
+            cached = [capture.run(model, images) for images in batches]  # the body as now scaled, run once
+            if not body_units:
+                before = best_loss = head_only()
+            found, best_loss = _descend(head_units, modules, head_only, best_loss, factors, "head amax search")
+            chosen.update(found)
     finally:
         model.train(training)
-    moved = sorted(f for f in chosen.values() if f != 1.0)
-    print(f"head amax search: {len(moved)} of {len(chosen)} head input scales changed"
-          + (f" (x{moved[0]:g} to x{moved[-1]:g})" if moved else "")
-          + f"; head distillation loss {before:.4g} -> {best_loss:.4g} on {len(cached)} calibration batches", flush=True)
-    return {"factors": chosen, "loss_before": before, "loss_after": best_loss, "batches": len(cached)}
+    for name, units in (("body", body_units), ("head", head_units)):
+        if not units:
+            continue
+        picked = [chosen[u[0]] for u in units]
+        moved = sorted(f for f in picked if f != 1.0)
+        scope = f"layers {span(layers)}" if name == "body" else "head input"
+        print(f"{name} amax search: {len(moved)} of {len(picked)} {scope} scales changed"
+              + (f" (x{moved[0]:g} to x{moved[-1]:g})" if moved else ""), flush=True)
+    print(f"amax search: head distillation loss {before:.4g} -> {best_loss:.4g} on {len(batches)} calibration "
+          "batches", flush=True)
+    return {"factors": chosen, "loss_before": before, "loss_after": best_loss, "batches": len(batches),
+            **({"layers": layers} if layers else {})}

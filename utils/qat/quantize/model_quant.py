@@ -30,6 +30,7 @@ from modelopt.torch.quantization.nn import TensorQuantizer
 from utils.qat.quantize import rules
 from utils.qat.quantize.calib import calibrate
 from utils.qat.quantize.config import QuantConfig, QuantInfo
+from utils.qat.quantize.head import check_layers
 from utils.qat.quantize.qdq import use_qdq_rounding
 from utils.qat.core.errors import QATError
 
@@ -68,6 +69,7 @@ def prepare(model: nn.Module, config: QuantConfig = QuantConfig()) -> tuple[nn.M
     the record of how it is made (no shared-scale groups yet: ``calibrate`` finds them)."""
     if is_quantized(model):
         raise QATError("this model is already quantized; start from the floating-point checkpoint.")
+    check_layers(model, config.search_layers)
     model = fuse(copy.deepcopy(model).float())
     patterns = rules.fp_patterns(model, config.skip)
     settings = rules.int8_config(patterns)
