@@ -19,6 +19,9 @@
                         (it sets the head's `inplace` attribute, which no YOLOv9 head reads).
 --check / --no-check    Q/DQ lint of the result (on by default for quantized checkpoints); findings that
                         would stop TensorRT from fusing Q/DQ are printed and make the exit status non-zero.
+--openvino-avx2         also W-avx2.onnx (W-end2end-avx2.onnx): the Q/DQ graph re-encoded for OpenVINO on x86
+                        CPUs without VNNI or AMX, where the TensorRT graph's INT8 outputs are wrong (7-bit
+                        weights, uint8 activations: utils/qat/onnx/avx2.py; README "Deploying on CPUs").
 """
 from __future__ import annotations
 
@@ -58,6 +61,9 @@ def get_args_parser() -> argparse.ArgumentParser:
                    help="ignored: upstream export.py's flag, accepted for its command line (no YOLOv9 head reads it)")
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=None,
                    help="Q/DQ lint of the result, non-zero exit on findings (default: on for quantized checkpoints)")
+    p.add_argument("--openvino-avx2", action="store_true",
+                   help="also write W-avx2.onnx, re-encoded for OpenVINO on x86 CPUs without VNNI or AMX (7-bit "
+                        "weights, uint8 activations; costs some accuracy: README 'Deploying on CPUs')")
     e = p.add_argument_group("End2End (--include onnx_end2end)")
     e.add_argument("--nms", choices=NMS_BACKENDS, default="onnx",
                    help="onnx: standard NonMaxSuppression, TensorRT's native NMS layer (default); trt: the "
@@ -75,6 +81,21 @@ def get_args_parser() -> argparse.ArgumentParser:
 
 def output_path(weights: Path, include: str) -> Path:
     return weights.with_name(weights.stem + INCLUDE[include])
+
+
+def write_avx2(path: Path) -> dict:
+    """``path`` re-encoded for OpenVINO on CPUs without VNNI or AMX, written beside it as NAME-avx2.onnx."""
+    import onnx
+
+    from utils.qat.core.atomic import write_bytes
+    from utils.qat.onnx.avx2 import reencode
+    model = onnx.load(str(path))
+    counts = reencode(model)
+    out = path.with_name(path.stem + "-avx2.onnx")
+    write_bytes(out, model.SerializeToString())
+    print(f"  {out}: for OpenVINO on CPUs without VNNI or AMX ({counts['weights']} weight tensors on 7 bits, "
+          f"{counts['activations']} activation quantizers as uint8)")
+    return {"path": str(out), **counts}
 
 
 def main(args: argparse.Namespace) -> list[dict]:
@@ -108,6 +129,9 @@ def main(args: argparse.Namespace) -> list[dict]:
                  f"the engine build and runner with --plugins" if plugin in THIRD_PARTY_PLUGINS
                  else "deprecated since TensorRT 10.12, TensorRT's native NMS layer (--nms onnx) replaces it")
         print(f"notice: --nms trt uses the {plugin} plugin; {where}.")
+    if args.openvino_avx2 and not quantized:
+        raise QATError(f"{weights} is a floating-point checkpoint: --openvino-avx2 re-encodes INT8 Q/DQ graphs; give "
+                       "a quantized checkpoint (qat.py quantize), or leave the flag out (FP32 graphs run as they are).")
     imgsz = parse_imgsz(args.imgsz, yolov9.model_stride(model), flag="--imgsz")
     device = select_device(args.device)
     check = quantized if args.check is None else args.check
@@ -132,6 +156,8 @@ def main(args: argparse.Namespace) -> list[dict]:
                   f"({report['simplify'].removeprefix('failed: ').split(';')[0]}).")
         if check and not quantized:
             print("  Q/DQ lint: skipped (a floating-point model has no Q/DQ nodes)")
+        if args.openvino_avx2:
+            report["avx2"] = write_avx2(Path(report["path"]))
         reports.append(report)
     if check:
         bad = [r for r in reports if r["lint"] is not None and r["lint"]["total"]]

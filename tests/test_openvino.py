@@ -262,3 +262,53 @@ def test_cpu_deploy_end_to_end_from_a_checkpoint(yolov9_tree, openvino, shapes, 
     md = (out / "cpu-deploy.md").read_text()
     assert "| qs | INT8 |" in md and "### FP32 vs INT8" in md
     Image.open(out / "cpu-deploy.png").verify()
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_openvino_avx2_graph_runs_as_written_on_any_cpu(yolov9_tree, openvino, graphs, shapes, tmp_path):
+    """``export_qat.py --openvino-avx2`` (utils/qat/onnx/avx2.py) writes W-avx2.onnx beside the TensorRT graph:
+    weights on 7 bits (the scale doubled, each value within one 8-bit step), activation Q/DQ as uint8 around 128
+    (the same grid). OpenVINO scores it like ONNX Runtime scores the TensorRT graph on any CPU, without VNNI too,
+    where it scores the TensorRT graph's INT8 near 0 (README "Deploying on CPUs"), and says nothing about those CPUs
+    for it. An FP checkpoint is refused before anything is written."""
+    import shutil
+
+    import numpy as np
+    import onnx
+
+    from utils.qat.core.device import exact_int8_dot
+    from utils.qat.onnx.onnx_graph import constant_value
+    weights = tmp_path / "qs-int8.pt"
+    shutil.copy(graphs["INT8"].with_suffix(".pt"), weights)
+    r = run_tool(yolov9_tree, "export_qat.py", "--weights", str(weights), "--dynamic", "--imgsz", str(IMGSZ),
+                 "--openvino-avx2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    plain, avx2 = onnx.load(str(tmp_path / "qs-int8.onnx")), onnx.load(str(tmp_path / "qs-int8-avx2.onnx"))
+    assert "for OpenVINO on CPUs without VNNI or AMX" in r.stdout
+    assert {p.key: p.value for p in avx2.metadata_props}["encoding"] == "openvino-avx2"
+    dq = {n.name: n for n in plain.graph.node if n.op_type == "DequantizeLinear"}
+    weights_seen = 0
+    for n in avx2.graph.node:
+        if n.op_type == "DequantizeLinear" and "weight_quantizer" in n.name:
+            q7, s2 = constant_value(avx2.graph, n.input[0]), constant_value(avx2.graph, n.input[1])
+            q8, s = constant_value(plain.graph, dq[n.name].input[0]), constant_value(plain.graph, dq[n.name].input[1])
+            assert q7.dtype == np.int8 and np.abs(q7).max() <= 63 and np.allclose(s2, 2 * s)
+            assert np.abs(2 * q7.astype(int) - q8).max() <= 1
+            weights_seen += 1
+        if n.op_type == "QuantizeLinear":
+            z = constant_value(avx2.graph, n.input[2])
+            assert z.dtype == np.uint8 and (z == 128).all()
+    assert weights_seen >= 140
+    ov = run_tool(yolov9_tree, "val_trt.py", "--onnx", str(tmp_path / "qs-int8-avx2.onnx"), "--backend", "openvino",
+                  "--data", str(shapes), "--imgsz", str(IMGSZ), "--batch-size", "8", "--workers", "0", "--project",
+                  str(tmp_path), "--name", "avx2")
+    assert ov.returncode == 0 and "has no VNNI or AMX" not in ov.stdout, ov.stdout + ov.stderr
+    got = json.loads((tmp_path / "avx2" / "results.json").read_text())["AP"]
+    reference = _val(yolov9_tree, graphs["INT8"], "onnxruntime", shapes, tmp_path)["AP"]
+    assert abs(got - reference) <= 0.03, (got, reference)
+    if exact_int8_dot() is False:  # this CPU: what the TensorRT graph gives on OpenVINO here
+        broken = _val(yolov9_tree, graphs["INT8"], "openvino", shapes, tmp_path)["AP"]
+        assert broken < reference - 0.1, (broken, reference)
+    error = cli_error(yolov9_tree, "export_qat.py", "--weights", str(QS_WEIGHTS), "--openvino-avx2")
+    assert "is a floating-point checkpoint: --openvino-avx2 re-encodes INT8 Q/DQ graphs" in error

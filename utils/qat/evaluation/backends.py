@@ -23,6 +23,7 @@ from utils.qat.core import yolov9
 from utils.qat.core.artifact import ArtifactMeta, is_end2end, task_from_outputs
 from utils.qat.core.device import exact_int8_dot
 from utils.qat.core.errors import QATError
+from utils.qat.onnx.avx2 import AVX2_ENCODING, ENCODING_KEY
 
 if TYPE_CHECKING:
     from os import PathLike
@@ -176,8 +177,9 @@ def _saturation_notice() -> None:
     from utils.qat.core.device import cpu_description
     print(f"notice: this CPU ({cpu_description()[0]}) has no VNNI or AMX: OpenVINO's INT8 convolutions saturate "
           f"16-bit sums here, and its outputs for this INT8 graph are wrong (YOLOv9-t and GELAN-C scored mAP50-95 "
-          f"0.000-0.003 on such a CPU); score the graph with --backend onnxruntime, run the FP32 graph on OpenVINO "
-          f"here, or deploy INT8 on a CPU with AVX512-VNNI, AVX-VNNI or AMX.")
+          f"0.000-0.003 on such a CPU); score the graph with --backend onnxruntime, run the graph export_qat.py "
+          f"--openvino-avx2 writes for such CPUs, or the FP32 graph, or deploy INT8 on a CPU with AVX512-VNNI, "
+          f"AVX-VNNI or AMX.")
 
 
 class OpenVINOBackend(_GraphBackend):
@@ -193,9 +195,9 @@ class OpenVINOBackend(_GraphBackend):
     On x86 CPUs without VNNI or AMX (AVX2, AVX-512 alone) OpenVINO's INT8 convolutions add pairs of 8-bit products
     into 16-bit sums that saturate (OpenVINO's "saturation issue"; ``utils.qat.core.device.exact_int8_dot``): the
     graph then computes something else than it says. On YOLO graphs the outputs are useless there (mAP50-95 near 0
-    on an AMD EPYC with AVX2 alone, benchmarks/results/cpu-deploy-2core-avx2.md; weights re-encoded on 7 bits
-    make a single convolution exact but not the network: README "Deploying on CPUs"). :attr:`saturates` is True there for a quantized graph,
-    and a notice says so once per process.
+    on an AMD EPYC with AVX2 alone, benchmarks/results/cpu-deploy-2core-avx2.md); the graph ``export_qat.py
+    --openvino-avx2`` writes (utils/qat/onnx/avx2.py) runs as written there. :attr:`saturates` is True there for
+    any other quantized graph, and a notice says so once per process.
     """
 
     runtime = "OpenVINO"
@@ -225,15 +227,17 @@ class OpenVINOBackend(_GraphBackend):
                            f"--nms onnx to evaluate here).") from e
         self.request = self.compiled.create_infer_request()
         self.version = ov.get_version()
+        framework = model.get_rt_info()["framework"] if model.has_rt_info("framework") else {}
+        metadata = {k: model.get_rt_info(["framework", k]).astype(str) for k in framework}
         self.quantized = any(op.get_type_name() == "FakeQuantize" for op in model.get_ops())
-        self.saturates = self.quantized and exact_int8_dot() is False
+        # a graph re-encoded for these CPUs (export_qat.py --openvino-avx2) runs on them as written
+        self.saturates = (self.quantized and exact_int8_dot() is False
+                          and metadata.get(ENCODING_KEY) != AVX2_ENCODING)
         if self.saturates:
             _saturation_notice()
         inp = self.compiled.inputs[0]
         dims = [d.get_length() if d.is_static else None for d in inp.get_partial_shape()]
         outputs = self.compiled.outputs
-        framework = model.get_rt_info()["framework"] if model.has_rt_info("framework") else {}
-        metadata = {k: model.get_rt_info(["framework", k]).astype(str) for k in framework}
         self._describe(onnx_path, dims, inp.get_element_type() == ov.Type.f16, [o.get_any_name() for o in outputs],
                        [o.get_partial_shape().rank.get_length() for o in outputs], metadata)
 
