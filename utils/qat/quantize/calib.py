@@ -44,10 +44,10 @@ def calibrate(model: nn.Module, batches: Iterable[torch.Tensor], config: QuantCo
               num_batches: int | None = None) -> tuple[list[list[str]], dict]:
     """Collect statistics over ``batches`` (images as float tensors on the model's device), set amax on
     every enabled quantizer with ``config.method``, then give each shared-scale group one amax and, with
-    ``config.head_amax == "search"`` or ``config.search_layers``, search those scales (``head.py``). Returns ``(groups, head_search)``:
-    the groups, and the search's summary (``{}`` without one; else ``factors``, ``loss_before``,
-    ``loss_after``, ``batches``: ``QuantInfo.head_search``). ``example``:
-    the input traced to find the groups (default: the first calibration image).
+    ``config.head_amax == "search"`` or ``config.search_layers``, search those scales (``head.py``). Returns
+    ``(groups, head_search)``: the groups, and the search's summary (``{}`` without one; else ``factors``,
+    ``loss_before``, ``loss_after``, ``batches``: ``QuantInfo.head_search``). ``example``: the input traced to
+    find the groups (default: the first calibration image).
 
     In a multi-GPU run (process group joined) every rank calls this; rank 0 alone reads ``batches`` (the
     others' are not read) and the others receive its amax and groups (checked identical afterwards).
