@@ -107,12 +107,64 @@ def check_layers(model: nn.Module, layers: Iterable[int]) -> None:
                        f"are 0-{last - 1}; give indices in that range (the head's scales are --head-amax search).")
 
 
+def _layer(name: str) -> int:
+    """The layer index of a module name in a YOLOv9 model: ``model.4.cv1...`` -> 4."""
+    return int(name.split(".")[1])
+
+
+def _layers(model: nn.Module, x, y: list, start: int, stop: int) -> tuple:
+    """Layers ``start`` to ``stop - 1`` of the network, as upstream's ``BaseModel._forward_once`` runs them: from
+    its running input ``x`` and the outputs it keeps (``y``: the saved layers' outputs, ``None`` for the others);
+    returns both as they stand after layer ``stop - 1`` (``x`` is the model's output when ``stop`` is the end)."""
+    y = list(y)
+    for m in model.model[start:stop]:
+        if m.f != -1:
+            x = y[m.f] if isinstance(m.f, int) else [x if j == -1 else y[j] for j in m.f]
+        x = m(x)
+        y.append(x if m.i in model.save else None)
+    return x, y
+
+
+class _Prefix:
+    """The network run from layer ``start`` on: what ``_forward_once`` holds before that layer is kept per batch,
+    so a candidate scale of that layer (or a later one) is scored without running the layers before it again,
+    which compute the same whatever the candidate is. ``enter`` moves the start to a unit's first layer, running
+    the layers in between once with the scales as chosen so far."""
+
+    def __init__(self, model: nn.Module, batches: list[torch.Tensor]):
+        self.model, self.batches = model, batches
+        self.reset()
+
+    def reset(self) -> None:
+        self.start, self.states = 0, [(images, []) for images in self.batches]
+
+    def enter(self, unit: list[str]) -> None:
+        start = min(_layer(n) for n in unit)
+        if start < self.start:
+            self.reset()
+        self.states = [_layers(self.model, x, y, self.start, start) for x, y in self.states]
+        self.start = start
+
+    def outputs(self) -> list:
+        return [_layers(self.model, x, y, self.start, len(self.model.model))[0] for x, y in self.states]
+
+
+def _runs_layer_by_layer(model: nn.Module) -> bool:
+    """Whether the network can be run from a given layer (upstream's layer list with ``f``/``i`` and ``save``)."""
+    return isinstance(getattr(model, "save", None), (list, set, tuple)) and all(
+        hasattr(m, "f") and hasattr(m, "i") for m in model.model)
+
+
 def _descend(units: list[list[str]], modules: dict[str, nn.Module], loss: Callable[[], float], best_loss: float,
-             factors: Sequence[float], desc: str) -> tuple[dict[str, float], float]:
+             factors: Sequence[float], desc: str,
+             enter: Callable[[list[str]], None] | None = None) -> tuple[dict[str, float], float]:
     """Coordinate descent: each unit's amax set, in turn, to the multiple of its value in ``factors`` with the
-    lowest ``loss`` (``best_loss``: the loss as things stand)."""
+    lowest ``loss`` (``best_loss``: the loss as things stand); ``enter(unit)``, if given, is called before a
+    unit's candidates are scored."""
     chosen: dict[str, float] = {}
     for unit in progress(units, desc=desc):
+        if enter is not None:
+            enter(unit)
         quantizers = [modules[n] for n in unit]
         start = [q.amax.detach().clone() for q in quantizers]
         best = 1.0
@@ -162,10 +214,15 @@ def search_head_amax(model: nn.Module, batches: Iterable[torch.Tensor], groups: 
         with quantizers_off(everything):
             targets = [detect(capture.run(model, images)) for images in batches]
 
-        def whole() -> float:  # the network run from its input
+        # the body's candidates are scored through the rest of the network, from the searched unit's layer on
+        # (from the input where the model cannot be run layer by layer): the same loss as running it all
+        prefix = _Prefix(model, batches) if _runs_layer_by_layer(model) else None
+
+        def whole() -> float:
+            outputs = prefix.outputs() if prefix is not None else [model(images) for images in batches]
             total = 0.0
-            for images, target in zip(batches, targets):
-                total += float(sum(head_distillation(model(images), target, detect.reg_max, detect.nc).values()))
+            for out, target in zip(outputs, targets):
+                total += float(sum(head_distillation(out, target, detect.reg_max, detect.nc).values()))
             return total / len(batches)
 
         cached: list[list[torch.Tensor]] = []
@@ -179,7 +236,8 @@ def search_head_amax(model: nn.Module, batches: Iterable[torch.Tensor], groups: 
 
         if body_units:
             before = whole()
-            found, best_loss = _descend(body_units, modules, whole, before, BODY_FACTORS, "body amax search")
+            found, best_loss = _descend(body_units, modules, whole, before, BODY_FACTORS, "body amax search",
+                                        enter=prefix.enter if prefix is not None else None)
             chosen.update(found)
         if head_units:
             cached = [capture.run(model, images) for images in batches]  # the body as now scaled, run once
