@@ -129,39 +129,41 @@ def test_search_layers_scale_the_body_by_the_whole_networks_error(calibrated, im
 @pytest.mark.slow
 def test_search_layers_run_the_network_from_the_searched_layer(calibrated, images, monkeypatch):
     """The body search scores each candidate from the searched unit's layer on (the layers before it kept from one
-    run): the same choices and the same losses, to the bit, as running the whole network for every candidate, and
-    the first layer runs once per candidate of its own units only."""
+    run): the same choices and the same losses, to the bit, as running the whole network for every candidate (every
+    unit taken as starting at layer 0), and the first layer runs once per candidate of its own units only."""
     import copy
 
     from utils.qat.quantize import head
     qmodel, info = calibrated
     layers = (0, 3)
     batches = [images, images.flip(-1)]
-    results, first_layer_runs = [], []
-    for layer_by_layer in (True, False):
+    units = head.searchable(qmodel, info.scale_groups, layers=layers, head=False)
+    assert [head._layer(u[0]) for u in units] == sorted(head._layer(u[0]) for u in units)
+    assert {head._layer(u[0]) for u in units} == set(layers)
+    own = sum(head._layer(u[0]) == 0 for u in units)
+
+    def search(from_layer_0: bool) -> tuple[dict, int]:
         model = copy.deepcopy(qmodel)
         modules = dict(model.named_modules())
-        units = head.searchable(model, info.scale_groups, layers=layers, head=False)
         for n in units[-1]:  # a clipped scale in the last layer searched, as in the test above
             modules[n].amax = modules[n].amax * 0.5
         runs = []
         model.model[0].register_forward_hook(lambda *_: runs.append(1))
-        monkeypatch.setattr(head, "_runs_layer_by_layer", lambda m, on=layer_by_layer: on)
-        results.append(head.search_head_amax(model, batches, info.scale_groups, layers=layers, head=False))
-        first_layer_runs.append(len(runs))
-        results[-1]["amax"] = _amax(model)
-    prefix, whole = results
-    assert [head._layer(u[0]) for u in units] == sorted(head._layer(u[0]) for u in units)
-    assert {head._layer(u[0]) for u in units} == set(layers)
+        with monkeypatch.context() as m:
+            if from_layer_0:
+                m.setattr(head, "_layer", lambda name: 0)
+            result = head.search_head_amax(model, batches, info.scale_groups, layers=layers, head=False)
+        return {**result, "amax": _amax(model)}, len(runs)
+
+    (prefix, prefix_runs), (whole, whole_runs) = search(False), search(True)
     assert prefix["factors"] == whole["factors"] and prefix["factors"][units[-1][0]] > 1.0
     assert prefix["loss_before"] == whole["loss_before"] and prefix["loss_after"] == whole["loss_after"]
     assert all(torch.equal(prefix["amax"][n], whole["amax"][n]) for n in whole["amax"])
     candidates = len(head.BODY_FACTORS) - 1
-    own = sum(head._layer(u[0]) == 0 for u in units)
     # per batch: the FP targets, the loss before, then every candidate (whole) or layer 0's own candidates and
     # one run into layer 3 (from the searched layer)
-    assert first_layer_runs[1] == len(batches) * (2 + len(units) * candidates)
-    assert first_layer_runs[0] == len(batches) * (2 + own * candidates + 1)
+    assert whole_runs == len(batches) * (2 + len(units) * candidates)
+    assert prefix_runs == len(batches) * (2 + own * candidates + 1)
 
 
 def test_search_layers_checked_and_recorded(calibrated):

@@ -129,30 +129,20 @@ class _Prefix:
     """The network run from layer ``start`` on: what ``_forward_once`` holds before that layer is kept per batch,
     so a candidate scale of that layer (or a later one) is scored without running the layers before it again,
     which compute the same whatever the candidate is. ``enter`` moves the start to a unit's first layer, running
-    the layers in between once with the scales as chosen so far."""
+    the layers in between once with the scales as chosen so far (units come in module order)."""
 
     def __init__(self, model: nn.Module, batches: list[torch.Tensor]):
-        self.model, self.batches = model, batches
-        self.reset()
-
-    def reset(self) -> None:
-        self.start, self.states = 0, [(images, []) for images in self.batches]
+        self.model, self.start = model, 0
+        self.states: list[tuple] = [(images, []) for images in batches]
 
     def enter(self, unit: list[str]) -> None:
         start = min(_layer(n) for n in unit)
-        if start < self.start:
-            self.reset()
+        assert start >= self.start, f"search units out of module order: {unit}"
         self.states = [_layers(self.model, x, y, self.start, start) for x, y in self.states]
         self.start = start
 
     def outputs(self) -> list:
         return [_layers(self.model, x, y, self.start, len(self.model.model))[0] for x, y in self.states]
-
-
-def _runs_layer_by_layer(model: nn.Module) -> bool:
-    """Whether the network can be run from a given layer (upstream's layer list with ``f``/``i`` and ``save``)."""
-    return isinstance(getattr(model, "save", None), (list, set, tuple)) and all(
-        hasattr(m, "f") and hasattr(m, "i") for m in model.model)
 
 
 def _descend(units: list[list[str]], modules: dict[str, nn.Module], loss: Callable[[], float], best_loss: float,
@@ -214,14 +204,13 @@ def search_head_amax(model: nn.Module, batches: Iterable[torch.Tensor], groups: 
         with quantizers_off(everything):
             targets = [detect(capture.run(model, images)) for images in batches]
 
-        # the body's candidates are scored through the rest of the network, from the searched unit's layer on
-        # (from the input where the model cannot be run layer by layer): the same loss as running it all
-        prefix = _Prefix(model, batches) if _runs_layer_by_layer(model) else None
+        # the body's candidates are scored through the rest of the network, from the searched unit's layer on:
+        # the same loss as running it all
+        prefix = _Prefix(model, batches)
 
         def whole() -> float:
-            outputs = prefix.outputs() if prefix is not None else [model(images) for images in batches]
             total = 0.0
-            for out, target in zip(outputs, targets):
+            for out, target in zip(prefix.outputs(), targets):
                 total += float(sum(head_distillation(out, target, detect.reg_max, detect.nc).values()))
             return total / len(batches)
 
@@ -237,7 +226,7 @@ def search_head_amax(model: nn.Module, batches: Iterable[torch.Tensor], groups: 
         if body_units:
             before = whole()
             found, best_loss = _descend(body_units, modules, whole, before, BODY_FACTORS, "body amax search",
-                                        enter=prefix.enter if prefix is not None else None)
+                                        enter=prefix.enter)
             chosen.update(found)
         if head_units:
             cached = [capture.run(model, images) for images in batches]  # the body as now scaled, run once
