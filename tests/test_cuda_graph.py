@@ -1,6 +1,7 @@
-"""QAT steps replayed from a CUDA graph (utils/qat/quantize/cuda_graph.py): the same training as eager steps, bit
-for bit, and eager wherever a graph cannot serve. The graph tests need a CUDA GPU (they run on the GPU machine,
-benchmarks/results/cuda-graph-tests-h*.txt); on the CPU what is checked is that nothing tries to record."""
+"""QAT steps and the amax search replayed from CUDA graphs (utils/qat/quantize/cuda_graph.py): the same training
+and the same choices as eager runs, bit for bit, and eager wherever a graph cannot serve. The graph tests need a
+CUDA GPU (they run on the GPU machine, benchmarks/results/cuda-graph-tests-h*.txt); on the CPU what is checked is
+that nothing tries to record."""
 from __future__ import annotations
 
 import copy
@@ -125,9 +126,56 @@ def test_the_labels_objective_stays_eager(calibrated, images):
         step.close()
 
 
+@cuda
+def test_amax_search_replayed_is_the_eager_search_bit_for_bit(calibrated, images, deterministic):
+    """The body search (``--search-layers``) and the head search scored from CUDA graphs, recorded again when the
+    body search moves on to a later layer: the same choices, losses and amax as scoring every candidate eagerly,
+    in every bit; the first layer runs only while a graph is made, not per candidate."""
+    from utils.qat.quantize import head
+    from utils.qat.quantize.state import amax_state
+    qmodel, _, info = calibrated
+    layers = (0, 3)
+    batches = [images.cuda(), images.flip(-1).cuda()]
+    units = head.searchable(qmodel, info.scale_groups, layers=layers, head=False)
+    assert {head._layer(u[0]) for u in units} == set(layers)
+
+    def search(replay: bool) -> tuple[dict, dict, int]:
+        model = copy.deepcopy(qmodel).cuda()
+        modules = dict(model.named_modules())
+        for n in units[-1]:  # a clipped scale, so that the search has something to move
+            modules[n].amax = modules[n].amax * 0.5
+        runs = []
+        model.model[0].register_forward_hook(lambda *_: runs.append(1))
+        result = head.search_head_amax(model, batches, info.scale_groups, layers=layers, replay=replay)
+        return result, amax_state(model), len(runs)
+
+    (graphed, g_amax, g_runs), (eager, e_amax, e_runs) = search(True), search(False)
+    assert graphed == eager and graphed["factors"][units[-1][0]] > 1.0
+    assert g_amax.keys() == e_amax.keys() and all(torch.equal(g_amax[n], e_amax[n]) for n in e_amax)
+    # per batch: the FP targets, the loss before (eager) and its recording, the run into layer 3, the head's inputs
+    assert g_runs == 5 * len(batches) < e_runs
+
+
+@cuda
+def test_a_value_that_cannot_be_recorded_is_computed_eagerly(capsys):
+    """A computation that reads a value back to the CPU cannot be recorded: it says so once and every call computes
+    it eagerly, with the right values; one that can is replayed, reading what its inputs hold now."""
+    from utils.qat.quantize.cuda_graph import ValueGraph
+    x = torch.arange(4.0, device="cuda")
+    reads = ValueGraph(lambda: x * float(x.sum()), cuda=True, name="test")
+    assert reads() == [0.0, 6.0, 12.0, 18.0]
+    x.fill_(1.0)
+    assert reads() == [4.0] * 4 and reads.graph is None and reads.replays == 0
+    assert capsys.readouterr().out.count("could not be recorded as a CUDA graph") == 1
+    doubles = ValueGraph(lambda: x * 2, cuda=True, name="test")
+    assert doubles() == [2.0] * 4 and doubles.graph is not None
+    x.copy_(torch.arange(4.0))
+    assert doubles() == [0.0, 2.0, 4.0, 6.0] and doubles.replays == 1
+
+
 def test_no_graph_on_the_cpu(calibrated, images):
     """On the CPU every step is eager, and the epochs say so."""
-    from utils.qat.quantize.cuda_graph import StepGraph
+    from utils.qat.quantize.cuda_graph import StepGraph, ValueGraph
     from utils.qat.quantize.finetune import QATConfig, QATStep, finetune
     qmodel, teacher, info = calibrated
     step = QATStep(copy.deepcopy(qmodel), copy.deepcopy(teacher), lambda: [images], QATConfig(), device="cpu",
@@ -135,6 +183,8 @@ def test_no_graph_on_the_cpu(calibrated, images):
     step.close()
     assert step.graph is None
     assert not StepGraph(lambda x: {}, lambda none: None).serves(images)
+    value = ValueGraph(lambda: images.mean((1, 2, 3)), cuda=False, name="test")
+    assert value() == value() == images.mean((1, 2, 3)).tolist() and value.graph is None
     results = finetune(copy.deepcopy(qmodel), copy.deepcopy(teacher), lambda: [images], QATConfig(epochs=1, iters=2),
                        device="cpu", scale_groups=info.scale_groups)
     assert results[0].steps == 2 and results[0].graph_steps == 0

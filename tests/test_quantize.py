@@ -381,6 +381,23 @@ def test_lint_clean_on_every_size(yolov9_tree, shared, cfg, tmp_path):
     assert report["stats"]["quantized_conv"] >= report["stats"]["conv"] - 2  # only DFL convs stay FP
 
 
+def test_fused_copy_folds_on_the_device_given(gelan_c_fp):
+    """The quantized model and the QAT teacher are folded where they will run, whatever device the FP model is on
+    (evaluating it first moves it to the GPU; a GPU's fold differs from the CPU's in the last bit of some weights,
+    and GELAN-C's calibration moved with them); the FP model itself is left as it was. The GPU half runs where
+    there is one."""
+    from models.common import Conv
+    from utils.qat.quantize.model_quant import fused_copy
+    fused = fused_copy(gelan_c_fp, "cpu")
+    assert not any(hasattr(m, "bn") for m in fused.modules() if isinstance(m, Conv))
+    assert all(hasattr(m, "bn") for m in gelan_c_fp.modules() if isinstance(m, Conv))
+    if torch.cuda.is_available():
+        from_cpu = fused_copy(gelan_c_fp, "cuda:0").state_dict()
+        from_gpu = fused_copy(copy.deepcopy(gelan_c_fp).to("cuda:0"), "cuda:0").state_dict()
+        assert all(t.is_cuda for t in from_cpu.values())
+        assert all(torch.equal(from_cpu[k], from_gpu[k]) for k in from_cpu)
+
+
 def test_mse_amax_minimises_quantization_error(yolov9_tree):
     """modelopt 0.47's own MSE search is broken (returns its first candidate); ours finds the minimum."""
     from utils.qat.quantize.mse import mse_amax

@@ -21,6 +21,10 @@ each candidate scored by the whole network's run to the same loss (the FP head's
 multiples (:data:`BODY_FACTORS`): calibration picks each scale by the error of its own tensor, and on a small
 model trained on COCO (YOLOv9-t) the mse scales of the early layers clip tails that the detections need
 (docs/QAT.md "A real COCO model: YOLOv9-t").
+
+On a GPU each candidate's run is replayed from a CUDA graph (``ValueGraph``, ``utils/qat/quantize/cuda_graph.py``),
+recorded again whenever the body search moves on to a later layer: the same losses, in every bit, as running it
+eagerly, for a fraction of the CPU time.
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ import torch
 from torch import nn
 
 from utils.qat.core.errors import QATError
+from utils.qat.quantize.cuda_graph import ValueGraph
 from utils.qat.quantize.rules import input_quantizers
 from utils.qat.quantize.state import enabled_quantizers, quantizers_off
 from utils.qat.core.progress import progress
@@ -135,11 +140,15 @@ class _Prefix:
         self.model, self.start = model, 0
         self.states: list[tuple] = [(images, []) for images in batches]
 
-    def enter(self, unit: list[str]) -> None:
+    def enter(self, unit: list[str]) -> bool:
+        """Start at ``unit``'s first layer; returns whether the start moved (the kept states were replaced)."""
         start = min(_layer(n) for n in unit)
         assert start >= self.start, f"search units out of module order: {unit}"
+        if start == self.start:
+            return False
         self.states = [_layers(self.model, x, y, self.start, start) for x, y in self.states]
         self.start = start
+        return True
 
     def outputs(self) -> list:
         return [_layers(self.model, x, y, self.start, len(self.model.model))[0] for x, y in self.states]
@@ -147,7 +156,7 @@ class _Prefix:
 
 def _descend(units: list[list[str]], modules: dict[str, nn.Module], loss: Callable[[], float], best_loss: float,
              factors: Sequence[float], desc: str,
-             enter: Callable[[list[str]], None] | None = None) -> tuple[dict[str, float], float]:
+             enter: Callable[[list[str]], object] | None = None) -> tuple[dict[str, float], float]:
     """Coordinate descent: each unit's amax set, in turn, to the multiple of its value in ``factors`` with the
     lowest ``loss`` (``best_loss``: the loss as things stand); ``enter(unit)``, if given, is called before a
     unit's candidates are scored."""
@@ -174,12 +183,14 @@ def _descend(units: list[list[str]], modules: dict[str, nn.Module], loss: Callab
 
 @torch.no_grad()
 def search_head_amax(model: nn.Module, batches: Iterable[torch.Tensor], groups: Sequence[Sequence[str]],
-                     factors: Sequence[float] = FACTORS, layers: Iterable[int] = (), head: bool = True) -> dict:
+                     factors: Sequence[float] = FACTORS, layers: Iterable[int] = (), head: bool = True,
+                     replay: bool = True) -> dict:
     """Set each searchable amax to the multiple of its calibrated value that gives the lowest head distillation
     loss over ``batches``: first those of the body ``layers`` (one of :data:`BODY_FACTORS`), then, with ``head``,
     the head's inputs (one of ``factors``); print one line saying what moved. Returns the record
     ``QuantInfo.head_search`` keeps: ``{"factors": {first name of each unit: factor}, "loss_before",
-    "loss_after", "batches"}`` (``{}`` when there is nothing to search, e.g. the head is kept in FP)."""
+    "loss_after", "batches"}`` (``{}`` when there is nothing to search, e.g. the head is kept in FP). ``replay``:
+    on CUDA, score the candidates from a CUDA graph (``False``: eagerly; the same losses)."""
     from utils.qat.quantize.objectives import head_distillation
     detect = model.model[-1]
     layers = sorted(set(layers))
@@ -204,35 +215,41 @@ def search_head_amax(model: nn.Module, batches: Iterable[torch.Tensor], groups: 
         with quantizers_off(everything):
             targets = [detect(capture.run(model, images)) for images in batches]
 
+        def loss(outputs: Iterable) -> torch.Tensor:  # per batch
+            return torch.stack([sum(head_distillation(out, target, detect.reg_max, detect.nc).values())
+                                for out, target in zip(outputs, targets)])
+
+        def mean(graph: ValueGraph) -> float:
+            return sum(graph()) / len(batches)
+
+        cuda = replay and batches[0].is_cuda
         # the body's candidates are scored through the rest of the network, from the searched unit's layer on:
         # the same loss as running it all
         prefix = _Prefix(model, batches)
+        body = ValueGraph(lambda: loss(prefix.outputs()), cuda, "body amax search")
 
-        def whole() -> float:
-            total = 0.0
-            for out, target in zip(prefix.outputs(), targets):
-                total += float(sum(head_distillation(out, target, detect.reg_max, detect.nc).values()))
-            return total / len(batches)
+        def enter(unit: list[str]) -> None:
+            if prefix.enter(unit):
+                body.reset()
 
         cached: list[list[torch.Tensor]] = []
-
-        def head_only() -> float:  # the body's output cached; the head writes into the list it is given: a copy
-            total = 0.0
-            for quantized, target in zip(cached, targets):
-                total += float(sum(head_distillation(detect(list(quantized)), target, detect.reg_max,
-                                                     detect.nc).values()))
-            return total / len(cached)
+        # the body's output cached; the head writes into the list it is given: a copy
+        head_graph = ValueGraph(lambda: loss(detect(list(quantized)) for quantized in cached), cuda,
+                                "head amax search")
 
         if body_units:
-            before = whole()
-            found, best_loss = _descend(body_units, modules, whole, before, BODY_FACTORS, "body amax search",
-                                        enter=prefix.enter)
+            before = mean(body)
+            found, best_loss = _descend(body_units, modules, lambda: mean(body), before, BODY_FACTORS,
+                                        "body amax search", enter=enter)
             chosen.update(found)
+            body.reset()  # the recording's memory back before the head's
         if head_units:
             cached = [capture.run(model, images) for images in batches]  # the body as now scaled, run once
             if not body_units:
-                before = best_loss = head_only()
-            found, best_loss = _descend(head_units, modules, head_only, best_loss, factors, "head amax search")
+                before = best_loss = mean(head_graph)
+            found, best_loss = _descend(head_units, modules, lambda: mean(head_graph), best_loss, factors,
+                                        "head amax search")
+            head_graph.reset()
             chosen.update(found)
     finally:
         model.train(training)

@@ -25,28 +25,28 @@ def group_mse_amax(histograms: list[tuple[torch.Tensor, torch.Tensor]], num_bits
 
 
 def _centers(hist: torch.Tensor, edges: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    counts = torch.as_tensor(hist).detach().cpu().double().flatten()
-    edges = torch.as_tensor(edges).detach().cpu().double().flatten()
+    """Counts and bin centres in float64, on the device the histogram was collected on (a GPU runs the search in
+    a fraction of the CPU's time: every candidate against every bin, for each of hundreds of quantizers)."""
+    counts = torch.as_tensor(hist).detach().double().flatten()
+    edges = torch.as_tensor(edges).detach().to(counts.device).double().flatten()
     if len(edges) != len(counts) + 1:
         # modelopt grows its histogram with torch.arange(0, max + width, width), which can yield one edge more
         # than histc's bins; histc itself split [0, edges[-1]] into len(counts) equal bins
-        edges = torch.linspace(0.0, float(edges[-1]), len(counts) + 1, dtype=torch.float64)
+        edges = torch.linspace(0.0, float(edges[-1]), len(counts) + 1, dtype=torch.float64, device=counts.device)
     return counts, (edges[1:] + edges[:-1]) / 2
 
 
 def _least_error(candidates: torch.Tensor, hists: list[tuple[torch.Tensor, torch.Tensor]], num_bits: int,
                  unsigned: bool) -> torch.Tensor:
     """The candidate with the least histogram-weighted squared error of fake quantization, summed over ``hists``
-    (``(counts, centers)`` pairs); the first of equal minima."""
+    (``(counts, centers)`` pairs); the first of equal minima. Returned on the CPU."""
     levels = 2 ** num_bits - 1 if unsigned else 2 ** (num_bits - 1) - 1
-    best, best_err = candidates[-1], float("inf")
+    errors = []
     for chunk in candidates.split(256):  # bounded memory: 256 x bins at a time
         scale = chunk[:, None] / levels
-        err = torch.zeros(len(chunk), dtype=torch.float64)
+        err = torch.zeros(len(chunk), dtype=torch.float64, device=chunk.device)
         for counts, centers in hists:
             quant = torch.clamp(torch.round(centers[None] / scale), max=levels) * scale
             err += ((quant - centers[None]) ** 2 * counts[None]).sum(1)
-        i = int(err.argmin())
-        if float(err[i]) < best_err:
-            best, best_err = chunk[i], float(err[i])
-    return best.float()
+        errors.append(err)
+    return candidates[int(torch.cat(errors).argmin())].float().cpu()

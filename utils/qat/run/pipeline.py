@@ -12,7 +12,6 @@ and saves after each stage. Multi-GPU: every rank calls ``qat`` with its ``world
 """
 from __future__ import annotations
 
-import copy
 import json
 import os
 import time
@@ -98,13 +97,13 @@ def finetune_stage(qmodel: nn.Module, fp_model: nn.Module, info: QuantInfo, data
     split (upstream's augmentation per ``hyp``; ``seed``: its order and augmentation). ``batch_size`` is the global
     batch: each of ``world_size`` processes reads its share (``local_rank`` >= 0, DistributedSampler)."""
     from utils.qat.quantize.objectives import needs_labels
-    from utils.qat.quantize.model_quant import fuse
+    from utils.qat.quantize.model_quant import fused_copy
     from utils.qat.quantize.finetune import finetune
     labels = needs_labels(config.objective)
     loader, _ = dataloader(data, "train", imgsz, batch_size // world_size, int(fp_model.stride.max()),
                            workers=workers, rect=False, shuffle=True, hyp=hyp, prefix="QAT: ", local_rank=local_rank,
                            masks=labels and task == "segment", seed=seed)
-    teacher = fuse(copy.deepcopy(fp_model))
+    teacher = fused_copy(fp_model, device)  # folded where the student was (model_quant.fused_copy says why)
     return finetune(qmodel, teacher, lambda: (labelled if labels else images_only)(loader, device), config,
                     device=device, hyp=hyp, on_epoch_start=loader.sampler.set_epoch if local_rank >= 0 else None,
                     on_epoch_end=on_epoch_end, scale_groups=info.scale_groups)
