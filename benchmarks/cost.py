@@ -299,7 +299,7 @@ def calibrations(fp: torch.nn.Module, batches: list[tuple], device: torch.device
     seconds, peaks, kept = {}, {}, None
     for method in methods:
         config = QuantConfig(method=method, head_amax="calibrated")
-        qmodel, info = prepare(fp, config)
+        qmodel, info = prepare(fp, config, device)
         with peak_memory(device, peaks.setdefault(method, {})):
             qmodel.to(device)
             seconds[method], (groups, _) = timed(device, lambda: calibrate(qmodel, images(), config,
@@ -325,7 +325,7 @@ def qat_training(qmodel: torch.nn.Module, info, fp: torch.nn.Module, batches: li
     """The library's QAT loop (``finetune``, default QATConfig) for one epoch of exactly the batches."""
     from utils.general import init_seeds
     from utils.qat.quantize.finetune import QATConfig, finetune
-    from utils.qat.quantize.model_quant import fuse
+    from utils.qat.quantize.model_quant import fused_copy
     from utils.qat.quantize.objectives import needs_labels
     config = QATConfig(epochs=1, iters=len(batches), cuda_graph=cuda_graph)
     labels = needs_labels(config.objective)
@@ -334,7 +334,7 @@ def qat_training(qmodel: torch.nn.Module, info, fp: torch.nn.Module, batches: li
     record: dict = {}
     timer = StepTimer(device, args.warmup)
     with peak_memory(device, record):
-        teacher = fuse(copy.deepcopy(fp))
+        teacher = fused_copy(fp, device)
         results = finetune(qmodel, teacher, lambda: feed, config, device=device, hyp=hyp,
                            scale_groups=info.scale_groups, on_step=timer)
         del teacher
@@ -358,7 +358,7 @@ def images_per_second(model: torch.nn.Module, batches: list[tuple], device: torc
 def measure(name: str, fp: torch.nn.Module, batches: list[tuple], hyp: dict, device: torch.device,
             args: argparse.Namespace) -> dict:
     """Every phase for one model; an out-of-memory error ends the model's phases, keeping what was measured."""
-    from utils.qat.quantize.model_quant import fuse
+    from utils.qat.quantize.model_quant import fused_copy
     record: dict = {"model": name, "parameters": sum(p.numel() for p in fp.parameters())}
     phase = "FP training"
     try:
@@ -374,7 +374,7 @@ def measure(name: str, fp: torch.nn.Module, batches: list[tuple], hyp: dict, dev
         record["ratio"] = round(qat_mean / fp_mean, 3)
         phase = "evaluation"
         record["eval_images_per_second"] = {
-            "fp": images_per_second(fuse(copy.deepcopy(fp)), batches, device, args.warmup, f"{name}: FP evaluation"),
+            "fp": images_per_second(fused_copy(fp, device), batches, device, args.warmup, f"{name}: FP evaluation"),
             "fake_quant": images_per_second(qmodel, batches, device, args.warmup, f"{name}: fake-quant evaluation")}
     except torch.cuda.OutOfMemoryError:
         record["error"] = f"out of memory in {phase} at batch {args.batch_size}"

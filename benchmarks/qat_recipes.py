@@ -37,7 +37,7 @@ compat.apply()
 import torch  # noqa: E402
 
 from utils.qat.quantize.objectives import head_distillation, head_of  # noqa: E402
-from utils.qat.quantize.model_quant import fuse  # noqa: E402
+from utils.qat.quantize.model_quant import fused_copy  # noqa: E402
 from utils.qat.quantize.config import CALIB_METHODS, DEFAULT_CALIB_METHODS, DEFAULT_HEAD_AMAX, HEAD_AMAX, QuantConfig  # noqa: E402
 from utils.qat.quantize.finetune import QATConfig  # noqa: E402
 from utils.qat.model import checkpoint  # noqa: E402
@@ -149,11 +149,11 @@ def main(args) -> dict:
                      "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"}
     save = lambda: (write_text(out / "results.json", json.dumps(results, indent=2)),  # noqa: E731
                     write_text(out / "results.md", render(results)))
-    results["origin"] = evaluate(backend(fuse(copy.deepcopy(fp))), data, desc="Origin", **scored).mAP50_95
+    results["origin"] = evaluate(backend(fused_copy(fp, device)), data, desc="Origin", **scored).mAP50_95
     qmodel, info = ptq(fp, data, QuantConfig(method=calib_method, head_amax=args.head_amax), calib_batches=args.calib_batches, device=device,
                        **common)
     results["ptq"] = evaluate(backend(qmodel), data, desc="PTQ", **scored).mAP50_95
-    teacher = fuse(copy.deepcopy(fp)).to(device)
+    teacher = fused_copy(fp, device)
     val, _ = dataloader(data, "val", args.imgsz, args.batch_size, stride, workers=args.workers, prefix="held-out: ")
     results[HELDOUT] = heldout_loss(qmodel, teacher, val, device)
     save()

@@ -41,7 +41,7 @@ from utils.qat.core import yolov9  # noqa: E402
 from utils.qat.core.atomic import write_text  # noqa: E402
 from utils.qat.quantize import qdq  # noqa: E402
 from utils.qat.quantize.finetune import QATConfig, QATStep  # noqa: E402
-from utils.qat.quantize.model_quant import QuantConfig, fuse, quantize  # noqa: E402
+from utils.qat.quantize.model_quant import QuantConfig, fused_copy, quantize  # noqa: E402
 from utils.qat.quantize.state import enabled_quantizers  # noqa: E402
 
 SIZES = ("t", "s", "m", "c", "e")
@@ -117,7 +117,7 @@ def main(args: argparse.Namespace) -> dict:
     for cfg in cfgs:
         fp = yolov9.reinit(yolov9.build(cfg, nc=80))
         qmodel, _ = quantize(fp, [batch], QuantConfig(method="max", head_amax="calibrated"), device=device)
-        teacher = fuse(copy.deepcopy(fp)).to(device)
+        teacher = fused_copy(fp, device)
         row = {"model": Path(cfg).stem, "quantizers": len(enabled_quantizers(qmodel)),
                "parameters_M": round(sum(p.numel() for p in fp.parameters()) / 1e6, 2)}
         for impl in args.impl:

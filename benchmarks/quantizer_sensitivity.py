@@ -14,7 +14,6 @@ Quantizers are grouped across the head's levels by default (``cv2.0.1`` and ``cv
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import re
@@ -89,7 +88,7 @@ def render(results: dict) -> str:
 
 
 def main(args) -> dict:
-    from utils.qat.quantize.model_quant import fuse
+    from utils.qat.quantize.model_quant import fused_copy
     from utils.qat.quantize.state import quantizers_off
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -101,7 +100,7 @@ def main(args) -> dict:
     results: dict = {"weights": Path(args.weights).name, "layer": index, "module": type(fp.model[index]).__name__,
                      "calib_method": args.calib_method, "head_amax": args.head_amax, "groups": [],
                      "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"}
-    results["origin"] = score(fuse(copy.deepcopy(fp)), "Origin")[0].mAP50_95
+    results["origin"] = score(fused_copy(fp, device), "Origin")[0].mAP50_95
     qmodel, _ = ptq(fp, data, QuantConfig(method=args.calib_method, head_amax=args.head_amax), imgsz=args.imgsz, batch_size=args.batch_size,
                     device=device, calib_batches=args.calib_batches, workers=args.workers)
     results["ptq"] = score(qmodel, "PTQ")[0].mAP50_95

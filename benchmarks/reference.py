@@ -12,7 +12,6 @@ Run from the top of a patched YOLOv9 tree:
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import platform
@@ -201,8 +200,8 @@ def main(args) -> None:
     fp = checkpoint.load_fp(args.weights, trust=args.trust_weights) if stages & {"fp", "ptq", "sensitive"} else None
     if "fp" in stages:
         with bench.timed("eval FP"):
-            from utils.qat.quantize.model_quant import fuse
-            bench.row("Origin", evaluate(TorchBackend(fuse(copy.deepcopy(fp)), device), data, desc="Origin", **common))
+            from utils.qat.quantize.model_quant import fused_copy
+            bench.row("Origin", evaluate(TorchBackend(fused_copy(fp, device), device), data, desc="Origin", **common))
 
     if "ptq" in stages:
         heads = ["calibrated"] + (["search"] if args.head_amax == "search" else [])

@@ -130,7 +130,7 @@ class ValueGraph:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.output: torch.Tensor | None = None
         self.failed: str | None = None
-        self.records = self.replays = 0
+        self.replays = 0
 
     def reset(self) -> None:
         """Drop the recording: what ``compute`` reads has been replaced."""
@@ -152,8 +152,6 @@ class ValueGraph:
         if self.graph is None:
             print(f"{self.name}: the computation could not be recorded as a CUDA graph ({self.failed}); it runs "
                   "eagerly", flush=True)
-        else:
-            self.records += 1
 
 
 def _record(fn: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph | None, T | None, str | None]:

@@ -156,7 +156,7 @@ class _Prefix:
 
 def _descend(units: list[list[str]], modules: dict[str, nn.Module], loss: Callable[[], float], best_loss: float,
              factors: Sequence[float], desc: str,
-             enter: Callable[[list[str]], object] | None = None) -> tuple[dict[str, float], float]:
+             enter: Callable[[list[str]], None] | None = None) -> tuple[dict[str, float], float]:
     """Coordinate descent: each unit's amax set, in turn, to the multiple of its value in ``factors`` with the
     lowest ``loss`` (``best_loss``: the loss as things stand); ``enter(unit)``, if given, is called before a
     unit's candidates are scored."""
@@ -249,7 +249,6 @@ def search_head_amax(model: nn.Module, batches: Iterable[torch.Tensor], groups: 
                 before = best_loss = mean(head_graph)
             found, best_loss = _descend(head_units, modules, lambda: mean(head_graph), best_loss, factors,
                                         "head amax search")
-            head_graph.reset()
             chosen.update(found)
     finally:
         model.train(training)
