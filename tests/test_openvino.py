@@ -1,6 +1,7 @@
 """OpenVINO on the CPU: val_trt.py --backend openvino scores the embedded quickstart model's FP32 and INT8 graphs
 (against ONNX Runtime on the same graphs), OpenVINO runs the Q/DQ convolutions with INT8 kernels, the CPU
-benchmark (scripts/benchmark_cpu.py) writes its JSON, table and plot, and the sentences a user meets.
+benchmark (scripts/benchmark_cpu.py) writes its JSON, table and plot, benchmarks/ov_vs_ort.py compares the two
+runtimes tensor by tensor, and the sentences a user meets.
 
 The INT8 graph is the quickstart model calibrated ('max', 8 shapes images, head scales as calibrated: the cheapest
 calibration) and exported as export_qat.py does; both graphs are dynamic, 256 px, as in the quickstart.
@@ -312,3 +313,30 @@ def test_openvino_avx2_graph_runs_as_written_on_any_cpu(yolov9_tree, openvino, g
         assert broken < reference - 0.1, (broken, reference)
     error = cli_error(yolov9_tree, "export_qat.py", "--weights", str(QS_WEIGHTS), "--openvino-avx2")
     assert "is a floating-point checkpoint: --openvino-avx2 re-encodes INT8 Q/DQ graphs" in error
+
+
+def test_ov_vs_ort_compares_every_quantized_tensor(yolov9_tree, openvino, graphs, shapes, tmp_path):
+    """benchmarks/ov_vs_ort.py: every activation tensor the INT8 graph quantizes, in its own steps, and the final
+    outputs. The input image is quantized identically by both runtimes; on a CPU without VNNI or AMX the later
+    tensors part (OpenVINO's INT8 sums saturate there), so only the structure and the first tensor are asserted."""
+    import onnx
+    out = tmp_path / "ov-vs-ort.json"
+    r = run_tool(yolov9_tree, str(REPO / "benchmarks" / "ov_vs_ort.py"), str(graphs["INT8"]), "--images",
+                 str(shapes.parent / "images" / "val"), "--num-image", "1", "--imgsz", str(IMGSZ), "--threads", "2",
+                 "--out", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    report = json.loads(out.read_text())
+    graph = onnx.load(str(graphs["INT8"]))
+    weights = {i.name for i in graph.graph.initializer}
+    activations = {n.input[0] for n in graph.graph.node if n.op_type == "QuantizeLinear" and n.input[0] not in weights}
+    assert [t["tensor"] for t in report["tensors"]][0] == graph.graph.input[0].name
+    assert {t["tensor"] for t in report["tensors"]} == activations
+    first = report["tensors"][0]
+    assert first["codes_1_step"] == 0 and first["max_steps"] == 0
+    assert set(report["outputs"]) == {o.name for o in graph.graph.output}
+    assert "| # | tensor |" in out.with_suffix(".md").read_text()
+    missing = run_tool(yolov9_tree, str(REPO / "benchmarks" / "ov_vs_ort.py"), str(tmp_path / "none.onnx"),
+                       "--images", str(tmp_path))
+    assert missing.returncode == 2, missing.stdout + missing.stderr
+    assert missing.stderr.strip() == (f"error: {tmp_path / 'none.onnx'} not found: pass a Q/DQ ONNX graph written "
+                                      "by export_qat.py.")

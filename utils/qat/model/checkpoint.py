@@ -79,6 +79,7 @@ def save_quantized(path: str | os.PathLike, model: nn.Module, info, *, epoch: in
     """Write a quantized checkpoint atomically. ``info``: its ``QuantInfo``; ``arguments``: what the run that
     made it was given (stored as ``args``); ``source``: ``provenance.record(weights)`` of the weights it was made
     from (stored as ``provenance``; without it, the toolkit's version and commit alone)."""
+    import utils.qat.quantize.modelopt_import  # noqa: F401  (modelopt without its unused plugins: first)
     import modelopt.torch.opt as mto
     ckpt = {
         "format": FORMAT,
@@ -115,6 +116,7 @@ def rebuild(ckpt: dict, source: str = "the checkpoint") -> nn.Module:
 def load_quantized(path: str | os.PathLike, task: str = "detect", ckpt: dict | None = None, trust: bool = False):
     """Rebuild a quantized model in this process. Returns ``(model, QuantInfo, ckpt)``; ``trust``: as :func:`read`,
     and for the model yaml, which is built only when ``yolov9.code_in_cfg`` finds no code in it unless ``trust``."""
+    import utils.qat.quantize.modelopt_import  # noqa: F401  (modelopt without its unused plugins: first)
     import modelopt.torch.opt as mto
 
     from utils.qat.quantize import rules

@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 import torch
+import utils.qat.quantize.modelopt_import  # noqa: F401  (modelopt without its unused plugins: first)
 from modelopt.torch.quantization.calib import HistogramCalibrator
 from torch import nn
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+import utils.qat.quantize.modelopt_import  # noqa: F401  (modelopt without its unused plugins: first)
 from modelopt.torch.quantization.nn import TensorQuantizer
 
 from utils.qat.quantize.mse import mse_amax

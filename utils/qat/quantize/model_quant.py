@@ -24,7 +24,7 @@ from collections.abc import Iterable
 import torch
 import torch.nn as nn
 
-import modelopt.torch.quantization as mtq
+from utils.qat.quantize.modelopt_import import mtq  # modelopt without its unused plugins: first
 from modelopt.torch.quantization.nn import TensorQuantizer
 
 from utils.qat.quantize import rules

@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-import modelopt.torch.quantization as mtq
+from utils.qat.quantize.modelopt_import import mtq  # modelopt without its unused plugins: first
 from modelopt.torch.quantization.nn import QuantModuleRegistry, TensorQuantizer
 
 from models import common

@@ -14,6 +14,7 @@ import contextlib
 from collections.abc import Iterable, Iterator
 
 import torch
+import utils.qat.quantize.modelopt_import  # noqa: F401  (modelopt without its unused plugins: first)
 from modelopt.torch.quantization.nn import TensorQuantizer
 from torch import nn
 
