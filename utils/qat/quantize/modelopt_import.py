@@ -3,11 +3,12 @@
 ``import modelopt.torch.quantization`` runs ``modelopt.torch``'s ``__init__``, which loads every plugin whose
 package is installed: Hugging Face transformers, diffusers, accelerate, PEFT, Megatron, ... On a machine that has
 them (most GPU machines used for deep learning do), that is much of the command's start-up: 24 s from launch to
-the first line of ``qat.py quantize`` on the H100 host of benchmarks/results/yolov9-t-coco-startup-h100-logs/,
-17.5 s with this module, where ``qat.py --help`` (torch, no modelopt) takes 5 s. The toolkit quantizes YOLOv9's own modules and needs none of those
-plugins, so while modelopt is first imported they look absent, as modelopt's own ``import_plugin`` treats a missing
-package: skipped, silently. A package the process imported before is left alone, and once modelopt is loaded they
-import normally again. Every module here that uses modelopt imports this one first.
+the first line of ``qat.py quantize`` on the H100 host of benchmarks/results/yolov9-t-coco-startup-h100-logs/, and
+17.5 s with this module (``qat.py --help``, torch without modelopt, takes 5 s). The toolkit quantizes YOLOv9's own
+modules and needs none of those plugins, so while modelopt is first imported their packages look absent, which
+modelopt's own ``import_plugin`` treats as a missing package: skipped, silently. A package the process imported
+before is left alone, and once modelopt is loaded they import normally again. Every module here that uses modelopt
+imports this one first (tests/test_modelopt_import.py).
 """
 from __future__ import annotations
 
