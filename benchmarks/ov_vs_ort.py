@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -24,21 +25,19 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from utils.qat.core.atomic import write_text  # noqa: E402
 from utils.qat.core.errors import QATError, run_cli  # noqa: E402
+from utils.qat.onnx.onnx_qdq import QDQGraph  # noqa: E402
 
 
 def quantized_tensors(model) -> list[dict]:
     """Each activation tensor a QuantizeLinear quantizes with one scale, in graph order: name, scale, zero point
     and the code's range."""
-    from onnx import numpy_helper
-    consts = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
-    consts.update({n.output[0]: numpy_helper.to_array(n.attribute[0].t) for n in model.graph.node
-                   if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"})
+    g = QDQGraph(model)
     out, seen = [], set()
-    for n in model.graph.node:
-        if n.op_type != "QuantizeLinear" or n.input[0] in consts or n.input[0] in seen:
+    for n in g.nodes:
+        if n.op_type != "QuantizeLinear" or n.input[0] in g.constant or n.input[0] in seen:
             continue
-        scale = consts.get(n.input[1])
-        zero = consts.get(n.input[2]) if len(n.input) > 2 else None
+        scale = g.value(n.input[1])
+        zero = g.value(n.input[2]) if len(n.input) > 2 else None
         if scale is None or scale.size != 1:
             continue
         seen.add(n.input[0])
@@ -49,7 +48,8 @@ def quantized_tensors(model) -> list[dict]:
 
 
 def letterbox(path: Path, imgsz: int) -> np.ndarray:
-    """One image as the evaluator feeds it: resized to fit imgsz, padded with 114, RGB, NCHW float in [0, 1]."""
+    """One image, the same for both runtimes: resized to fit imgsz, padded below and to the right with 114 to a
+    square, RGB, NCHW float in [0, 1]."""
     import cv2
     im = cv2.imread(str(path))
     if im is None:
@@ -155,7 +155,6 @@ def main(argv: list[str] | None = None) -> None:
         import openvino  # noqa: F401
     except ImportError as e:
         raise QATError(f"OpenVINO is not installed ({e}); install it with ./install_dependencies.sh --openvino.") from e
-    import os
     report = compare(args.graph, [letterbox(f, args.imgsz) for f in files], args.threads or (os.cpu_count() or 1))
     text = table(report)
     print(text, end="")
