@@ -127,6 +127,34 @@ def test_the_labels_objective_stays_eager(calibrated, images):
 
 
 @cuda
+def test_a_replayed_step_never_waits_for_the_gpu(calibrated, images):
+    """After the graph is recorded, a whole step (replay, loss scaler, fused optimiser over the weights and the
+    learned amax, schedule, amax clamp, EMA) launches its work without reading anything back: CUDA's sync debug
+    mode turns any synchronising call into an error. The multi-tensor optimiser failed here (the loss scaler read
+    its overflow flag every step; benchmarks/results/yolov9-t-coco-fused-h100-logs/)."""
+    from utils.qat.quantize.finetune import QATConfig, QATStep
+    qmodel, teacher, info = calibrated
+    batch = images.cuda()
+    step = QATStep(copy.deepcopy(qmodel), copy.deepcopy(teacher), lambda: [batch], QATConfig(), device="cuda:0",
+                   scale_groups=info.scale_groups)
+    try:
+        step.train()
+        for _ in range(2):  # the first records the graph (recording synchronises)
+            step(batch)
+        assert step.learned is not None and step.ema is not None
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(3):
+                step(batch)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert step.graph_steps == 5  # the recording step replays too
+    finally:
+        step.close()
+
+
+@cuda
 def test_amax_search_replayed_is_the_eager_search_bit_for_bit(calibrated, images, deterministic):
     """The body search (``--search-layers``) and the head search scored from CUDA graphs, recorded again when the
     body search moves on to a later layer: the same choices, losses and amax as scoring every candidate eagerly,
