@@ -22,6 +22,10 @@
 --openvino-avx2         also W-avx2.onnx (W-end2end-avx2.onnx): the Q/DQ graph re-encoded for OpenVINO on x86
                         CPUs without VNNI or AMX, where the TensorRT graph's INT8 outputs are wrong (7-bit
                         weights, uint8 activations: utils/qat/onnx/avx2.py; README "Deploying on CPUs").
+--onnxruntime-cpu [W]   also W-ort.onnx (W-end2end-ort.onnx): the Q/DQ graph re-placed so that ONNX Runtime's CPU
+                        provider fuses its SiLU convolutions into INT8 kernels (a Q/DQ pair added on their
+                        outputs; utils/qat/onnx/ort_cpu.py); weights uint8 (default, exact on every CPU) or 7bit
+                        (faster on CPUs without VNNI, less exact).
 """
 from __future__ import annotations
 
@@ -64,6 +68,9 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--openvino-avx2", action="store_true",
                    help="also write W-avx2.onnx, re-encoded for OpenVINO on x86 CPUs without VNNI or AMX (7-bit "
                         "weights, uint8 activations; costs some accuracy: README 'Deploying on CPUs')")
+    p.add_argument("--onnxruntime-cpu", nargs="?", const="uint8", default=None, choices=("uint8", "7bit"),
+                   metavar="WEIGHTS", help="also write W-ort.onnx, re-placed for ONNX Runtime's CPU kernels; WEIGHTS: "
+                                           "uint8 (default, exact) or 7bit (faster without VNNI, less exact)")
     e = p.add_argument_group("End2End (--include onnx_end2end)")
     e.add_argument("--nms", choices=NMS_BACKENDS, default="onnx",
                    help="onnx: standard NonMaxSuppression, TensorRT's native NMS layer (default); trt: the "
@@ -96,6 +103,21 @@ def write_avx2(path: Path) -> dict:
     print(f"  {out}: for OpenVINO on CPUs without VNNI or AMX ({counts['weights']} weight tensors on 7 bits, "
           f"{counts['activations']} activation quantizers as uint8)")
     return {"path": str(out), **counts}
+
+
+def write_ort_cpu(path: Path, weights: str) -> dict:
+    """``path`` re-placed for ONNX Runtime's CPU kernels, written beside it as NAME-ort.onnx."""
+    import onnx
+
+    from utils.qat.core.atomic import write_bytes
+    from utils.qat.onnx.ort_cpu import place
+    model = onnx.load(str(path))
+    counts = place(model, weights)
+    out = path.with_name(path.stem + "-ort.onnx")
+    write_bytes(out, model.SerializeToString())
+    print(f"  {out}: for ONNX Runtime on CPUs ({counts['convolutions']} convolutions with an INT8 output, "
+          f"{counts['weights']} weight tensors as {weights})")
+    return {"path": str(out), "weight_encoding": weights, **counts}
 
 
 def main(args: argparse.Namespace) -> list[dict]:
@@ -132,6 +154,12 @@ def main(args: argparse.Namespace) -> list[dict]:
     if args.openvino_avx2 and not quantized:
         raise QATError(f"{weights} is a floating-point checkpoint: --openvino-avx2 re-encodes INT8 Q/DQ graphs; give "
                        "a quantized checkpoint (qat.py quantize), or leave the flag out (FP32 graphs run as they are).")
+    if args.onnxruntime_cpu and not quantized:
+        raise QATError(f"{weights} is a floating-point checkpoint: --onnxruntime-cpu re-places INT8 Q/DQ graphs; give "
+                       "a quantized checkpoint (qat.py quantize), or leave the flag out (FP32 graphs run as they are).")
+    if (args.onnxruntime_cpu or args.openvino_avx2) and args.half:
+        raise QATError("--half makes a graph for TensorRT 11 (FP16 between the Q/DQ pairs); the CPU graphs "
+                       "(--onnxruntime-cpu, --openvino-avx2) are FP32: export them without --half.")
     imgsz = parse_imgsz(args.imgsz, yolov9.model_stride(model), flag="--imgsz")
     device = select_device(args.device)
     check = quantized if args.check is None else args.check
@@ -158,6 +186,8 @@ def main(args: argparse.Namespace) -> list[dict]:
             print("  Q/DQ lint: skipped (a floating-point model has no Q/DQ nodes)")
         if args.openvino_avx2:
             report["avx2"] = write_avx2(Path(report["path"]))
+        if args.onnxruntime_cpu:
+            report["ort_cpu"] = write_ort_cpu(Path(report["path"]), args.onnxruntime_cpu)
         reports.append(report)
     if check:
         bad = [r for r in reports if r["lint"] is not None and r["lint"]["total"]]

@@ -1,13 +1,15 @@
 """OpenVINO on the CPU: val_trt.py --backend openvino scores the embedded quickstart model's FP32 and INT8 graphs
 (against ONNX Runtime on the same graphs), OpenVINO runs the Q/DQ convolutions with INT8 kernels, the CPU
 benchmark (scripts/benchmark_cpu.py) writes its JSON, table and plot, benchmarks/ov_vs_ort.py compares the two
-runtimes tensor by tensor, and the sentences a user meets.
+runtimes tensor by tensor, and the sentences a user meets. The CPU graphs export_qat.py writes beside the TensorRT
+one: `--openvino-avx2` for OpenVINO without VNNI, `--onnxruntime-cpu` for ONNX Runtime's fused INT8 kernels.
 
 The INT8 graph is the quickstart model calibrated ('max', 8 shapes images, head scales as calibrated: the cheapest
 calibration) and exported as export_qat.py does; both graphs are dynamic, 256 px, as in the quickstart.
 """
 from __future__ import annotations
 
+import copy
 import json
 import sys
 from pathlib import Path
@@ -340,3 +342,108 @@ def test_ov_vs_ort_compares_every_quantized_tensor(yolov9_tree, openvino, graphs
     assert missing.returncode == 2, missing.stdout + missing.stderr
     assert missing.stderr.strip() == (f"error: {tmp_path / 'none.onnx'} not found: pass a Q/DQ ONNX graph written "
                                       "by export_qat.py.")
+
+
+def _first_fused_output_error(model, images: torch.Tensor, tmp_path: Path) -> tuple[float, float]:
+    """Mean and largest difference, in its own 8-bit steps, of the first convolution output the placement quantizes,
+    between ONNX Runtime with its INT8 fusions and with graph optimisations off (every Q/DQ computed in float: the
+    graph as written)."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+
+    from utils.qat.onnx.onnx_graph import constant_value
+    model = copy.deepcopy(model)
+    q = next(n for n in model.graph.node if n.op_type == "QuantizeLinear" and n.name.endswith("_ort_Q"))
+    model.graph.output.append(onnx.helper.make_tensor_value_info(q.output[0], onnx.TensorProto.UINT8, None))
+    path = tmp_path / "probe.onnx"
+    onnx.save(model, str(path))
+    outputs = []
+    for level in (ort.GraphOptimizationLevel.ORT_ENABLE_ALL, ort.GraphOptimizationLevel.ORT_DISABLE_ALL):
+        options = ort.SessionOptions()
+        options.graph_optimization_level, options.log_severity_level, options.intra_op_num_threads = level, 3, 1
+        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        outputs.append(session.run([q.output[0]], {"images": images.numpy()})[0].astype(int))
+    assert constant_value(model.graph, q.input[2]) is not None
+    steps = np.abs(outputs[0] - outputs[1])
+    return float(steps.mean()), float(steps.max())
+
+
+def _fused_convolutions(path: Path, tmp_path: Path) -> int:
+    import onnx
+    import onnxruntime as ort
+    options = ort.SessionOptions()
+    options.log_severity_level, options.optimized_model_filepath = 3, str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return sum(n.op_type == "QLinearConv" for n in onnx.load(str(tmp_path / "optimized.onnx")).graph.node)
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_onnxruntime_cpu_graph_is_fused_and_computed_as_written(yolov9_tree, graphs, shapes, tmp_path):
+    """``export_qat.py --onnxruntime-cpu`` (utils/qat/onnx/ort_cpu.py) writes W-ort.onnx: a Q/DQ pair added on the
+    SiLU convolutions' outputs, so that ONNX Runtime fuses them into QLinearConv (the TensorRT graph: none), weights
+    stored as uint8 around 128 (the same integers). Fused, it computes what the graph says (the control, the same
+    placement with int8 weights, does not on a CPU without VNNI: its 16-bit pair sums saturate) and scores like the
+    TensorRT graph. ``7bit`` weights: the same fusions, within one 8-bit step of each weight. FP checkpoints and
+    ``--half`` are refused before anything is written."""
+    import shutil
+
+    import numpy as np
+    import onnx
+
+    from utils.qat.core.device import exact_int8_dot
+    from utils.qat.onnx import ort_cpu
+    from utils.qat.onnx.avx2 import uint8_activations
+    from utils.qat.onnx.onnx_graph import constant_value
+    from utils.qat.onnx.onnx_qdq import QDQGraph
+    weights = tmp_path / "qs-int8.pt"
+    shutil.copy(graphs["INT8"].with_suffix(".pt"), weights)
+    r = run_tool(yolov9_tree, "export_qat.py", "--weights", str(weights), "--dynamic", "--imgsz", str(IMGSZ),
+                 "--onnxruntime-cpu")
+    assert r.returncode == 0, r.stdout + r.stderr
+    plain_path, ort_path = tmp_path / "qs-int8.onnx", tmp_path / "qs-int8-ort.onnx"
+    assert "for ONNX Runtime on CPUs" in r.stdout
+    plain, placed = onnx.load(str(plain_path)), onnx.load(str(ort_path))
+    props = {p.key: p.value for p in placed.metadata_props}
+    assert props["encoding"] == "onnxruntime-cpu" and props["weights"] == "uint8"
+    dq = {n.name: n for n in plain.graph.node if n.op_type == "DequantizeLinear"}
+    seen = 0
+    for n in placed.graph.node:
+        if n.op_type == "DequantizeLinear" and "weight_quantizer" in n.name:
+            q8 = constant_value(plain.graph, dq[n.name].input[0])
+            assert np.array_equal(constant_value(placed.graph, n.input[0]).astype(int), q8.astype(int) + 128)
+            assert (constant_value(placed.graph, n.input[2]) == 128).all()
+            seen += 1
+    assert seen >= 140
+    fused = _fused_convolutions(ort_path, tmp_path)
+    assert fused >= 50 and _fused_convolutions(plain_path, tmp_path) == 0, fused
+
+    images = real_images(shapes.parent / "images" / "val", 4, IMGSZ)
+    mean, largest = _first_fused_output_error(placed, images, tmp_path)
+    assert largest <= 1 and mean < 0.05, (mean, largest)  # rounding at most
+    control = onnx.load(str(plain_path))  # the placement alone, weights left int8
+    uint8_activations(QDQGraph(control), "test")
+    ort_cpu._silu_output_quantizers(control, QDQGraph(control))
+    control_mean, control_largest = _first_fused_output_error(control, images, tmp_path)
+    if exact_int8_dot() is False:
+        assert control_largest > 4 and control_mean > 4 * mean, (control_mean, control_largest, mean)
+
+    reference = _val(yolov9_tree, plain_path, "onnxruntime", shapes, tmp_path)["AP"]
+    got = _val(yolov9_tree, ort_path, "onnxruntime", shapes, tmp_path)["AP"]
+    assert abs(got - reference) <= 0.02, (got, reference)
+
+    seven = onnx.load(str(plain_path))
+    assert ort_cpu.place(seven, "7bit")["convolutions"] == fused
+    for n in seven.graph.node:
+        if n.op_type == "DequantizeLinear" and "weight_quantizer" in n.name:
+            q7, q8 = constant_value(seven.graph, n.input[0]), constant_value(plain.graph, dq[n.name].input[0])
+            assert q7.dtype == np.int8 and np.abs(2 * q7.astype(int) - q8).max() <= 1
+
+    for args, sentence in ((("--weights", str(QS_WEIGHTS), "--onnxruntime-cpu"),
+                            "is a floating-point checkpoint: --onnxruntime-cpu re-places INT8 Q/DQ graphs"),
+                           (("--weights", str(weights), "--onnxruntime-cpu", "--half", "--imgsz", str(IMGSZ)),
+                            "the CPU graphs (--onnxruntime-cpu, --openvino-avx2) are FP32")):
+        before = sorted(tmp_path.rglob("*.onnx"))
+        assert sentence in cli_error(yolov9_tree, "export_qat.py", *args)
+        assert sorted(tmp_path.rglob("*.onnx")) == before

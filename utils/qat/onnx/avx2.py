@@ -32,18 +32,15 @@ WEIGHT_MAX = 63  # 7-bit weights: |q| <= 63
 ZERO_POINT = 128  # uint8 activations on the int8 grid
 
 
-def _set(g: QDQGraph, name: str, value: np.ndarray) -> None:
+def set_constant(g: QDQGraph, name: str, value: np.ndarray) -> None:
     """Replace the constant ``name`` (an initializer or a ``Constant`` node's tensor) in place."""
     tensor = g.init[name] if name in g.init else next(a.t for a in g.const_nodes[name].attribute if a.name == "value")
     tensor.CopyFrom(numpy_helper.from_array(value, tensor.name))
 
 
-def reencode(model: onnx.ModelProto) -> dict[str, int]:
-    """Re-encode ``model`` (a Q/DQ graph from export_qat.py) in place for OpenVINO on CPUs without VNNI or AMX;
-    returns how many weight tensors and activation quantizers were changed."""
-    g = QDQGraph(model)
-    weights = activations = 0
-    zero_points: set[str] = set()
+def weight_dequantizers(g: QDQGraph) -> list[onnx.NodeProto]:
+    """The DequantizeLinear nodes of the int8 weights held in the graph (each weight and scale used once)."""
+    found = []
     for n in g.nodes:
         data = n.input[0] if n.op_type == "DequantizeLinear" else None
         if data in g.init or data in g.const_nodes:  # a weight: its int8 data held in the graph
@@ -53,25 +50,57 @@ def reencode(model: onnx.ModelProto) -> dict[str, int]:
             if len(g.consumers[data]) != 1 or len(g.consumers[n.input[1]]) != 1:
                 raise QATError(f"{n.name}: its weight or scale is shared with other nodes, which export_qat.py "
                                "never writes; export the graph again with export_qat.py.")
-            scale = g.value(n.input[1])
-            _set(g, data, np.clip(np.round(q.astype(np.float32) / 2), -WEIGHT_MAX, WEIGHT_MAX).astype(np.int8))
-            _set(g, n.input[1], (scale * 2).astype(scale.dtype))
-            weights += 1
-        elif n.op_type in ("QuantizeLinear", "DequantizeLinear") and len(n.input) > 2:
+            found.append(n)
+    return found
+
+
+def seven_bit_weights(g: QDQGraph, dequantizers: list[onnx.NodeProto]) -> None:
+    """Each weight requantized to 7 bits: ``round(q / 2)`` clipped to [-63, 63], its scale doubled."""
+    for n in dequantizers:
+        q, scale = g.value(n.input[0]), g.value(n.input[1])
+        set_constant(g, n.input[0], np.clip(np.round(q.astype(np.float32) / 2), -WEIGHT_MAX, WEIGHT_MAX).astype(np.int8))
+        set_constant(g, n.input[1], (scale * 2).astype(scale.dtype))
+
+
+def uint8_activations(g: QDQGraph, flag: str) -> int:
+    """Every activation Q/DQ pair's zero point from int8 0 to uint8 128 (the same grid, shifted); returns the
+    number of QuantizeLinear nodes. ``flag`` names the export option in the error for a graph it cannot take."""
+    zero_points: set[str] = set()
+    activations = 0
+    for n in g.nodes:
+        data = n.input[0] if n.op_type == "DequantizeLinear" else None
+        if data in g.init or data in g.const_nodes:
+            continue  # a weight
+        if n.op_type in ("QuantizeLinear", "DequantizeLinear") and len(n.input) > 2:
             zero_points.add(n.input[2])
             activations += n.op_type == "QuantizeLinear"
     for name in zero_points:
         z = g.value(name)
         if z is None or z.dtype != np.int8 or z.any():
-            raise QATError(f"zero point {name} is not the int8 0 export_qat.py writes; this graph is not one to "
-                           "re-encode (export it again with export_qat.py).")
-        _set(g, name, np.full(z.shape, ZERO_POINT, np.uint8))
-    if not weights or not activations:
-        raise QATError("the graph has no INT8 Q/DQ convolutions to re-encode; --openvino-avx2 needs a quantized "
-                       "checkpoint (qat.py quantize).")
-    quantized = {o for n in g.nodes if n.op_type == "QuantizeLinear" for o in n.output}
-    kept = [v for v in model.graph.value_info if v.name not in quantized]  # their recorded type was int8
+            raise QATError(f"zero point {name} is not the int8 0 export_qat.py writes; {flag} cannot re-encode this "
+                           "graph (export it again with export_qat.py).")
+        set_constant(g, name, np.full(z.shape, ZERO_POINT, np.uint8))
+    return activations
+
+
+def forget_quantized_types(model: onnx.ModelProto) -> None:
+    """Drop the recorded types of QuantizeLinear outputs (they were int8)."""
+    quantized = {o for n in model.graph.node if n.op_type == "QuantizeLinear" for o in n.output}
+    kept = [v for v in model.graph.value_info if v.name not in quantized]
     del model.graph.value_info[:]
     model.graph.value_info.extend(kept)
+
+
+def reencode(model: onnx.ModelProto) -> dict[str, int]:
+    """Re-encode ``model`` (a Q/DQ graph from export_qat.py) in place for OpenVINO on CPUs without VNNI or AMX;
+    returns how many weight tensors and activation quantizers were changed."""
+    g = QDQGraph(model)
+    dequantizers = weight_dequantizers(g)
+    activations = uint8_activations(g, "--openvino-avx2")
+    if not dequantizers or not activations:
+        raise QATError("the graph has no INT8 Q/DQ convolutions to re-encode; --openvino-avx2 needs a quantized "
+                       "checkpoint (qat.py quantize).")
+    seven_bit_weights(g, dequantizers)
+    forget_quantized_types(model)
     write_props(model, {**read_props(model), ENCODING_KEY: AVX2_ENCODING})  # OpenVINOBackend: no notice for it
-    return {"weights": weights, "activations": activations}
+    return {"weights": len(dequantizers), "activations": activations}
