@@ -24,8 +24,8 @@
                         weights, uint8 activations: utils/qat/onnx/avx2.py; README "Deploying on CPUs").
 --onnxruntime-cpu [W]   also W-ort.onnx (W-end2end-ort.onnx): the Q/DQ graph re-placed so that ONNX Runtime's CPU
                         provider fuses its SiLU convolutions into INT8 kernels (a Q/DQ pair added on their
-                        outputs; utils/qat/onnx/ort_cpu.py); weights uint8 (default, exact on every CPU) or 7bit
-                        (faster on CPUs without VNNI, less exact).
+                        outputs; utils/qat/onnx/ort_cpu.py); weights uint8 (default: computed as written on
+                        every CPU) or 7bit (faster on CPUs without VNNI, less exact).
 """
 from __future__ import annotations
 
@@ -69,8 +69,9 @@ def get_args_parser() -> argparse.ArgumentParser:
                    help="also write W-avx2.onnx, re-encoded for OpenVINO on x86 CPUs without VNNI or AMX (7-bit "
                         "weights, uint8 activations; costs some accuracy: README 'Deploying on CPUs')")
     p.add_argument("--onnxruntime-cpu", nargs="?", const="uint8", default=None, choices=("uint8", "7bit"),
-                   metavar="WEIGHTS", help="also write W-ort.onnx, re-placed for ONNX Runtime's CPU kernels; WEIGHTS: "
-                                           "uint8 (default, exact) or 7bit (faster without VNNI, less exact)")
+                   metavar="WEIGHTS", help="also write W-ort.onnx, re-placed for ONNX Runtime's CPU kernels; "
+                                           "WEIGHTS: uint8 (default, as written on every CPU) or 7bit (faster "
+                                           "without VNNI, less exact)")
     e = p.add_argument_group("End2End (--include onnx_end2end)")
     e.add_argument("--nms", choices=NMS_BACKENDS, default="onnx",
                    help="onnx: standard NonMaxSuppression, TensorRT's native NMS layer (default); trt: the "

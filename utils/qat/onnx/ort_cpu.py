@@ -1,6 +1,6 @@
 """The Q/DQ graph re-placed for ONNX Runtime's CPU provider (``export_qat.py --onnxruntime-cpu``).
 
-    counts = place(model)                  # in place: uint8 weights, exact on every x86 CPU
+    counts = place(model)                  # in place: uint8 weights, computed as written on every x86 CPU
     counts = place(model, weights="7bit")  # 7-bit weights: ONNX Runtime's faster kernel, a little less exact
 
 ONNX Runtime runs a quantized convolution as one INT8 kernel (QLinearConv) only where a QuantizeLinear follows its
@@ -16,7 +16,7 @@ The activations become uint8 around 128 (the same grid; ONNX Runtime's x86 kerne
 weights: on x86 without VNNI its kernel for uint8 activations and int8 weights adds products in pairs in 16-bit
 integers (``vpmaddubsw``), which saturate (255 x 127 x 2 > 32767) and wrecked the detections (mAP50-95 0.24 for
 0.42). ``weights="uint8"`` stores them as uint8 with zero point 128 (the same integers), which ONNX Runtime computes
-with its u8u8 kernel, exactly on every CPU; ``"7bit"`` requantizes them to [-63, 63] at twice the scale (as
+with its u8u8 kernel, as written (to rounding) on every CPU; ``"7bit"`` requantizes them to [-63, 63] at twice the scale (as
 ``--openvino-avx2`` does), which keeps the faster u8s8 kernel and costs weight resolution QAT did not see.
 """
 from __future__ import annotations
@@ -86,9 +86,10 @@ def _silu_output_quantizers(model: onnx.ModelProto, g: QDQGraph) -> int:
         quantizers = g.consumers[mul[0].output[0]]
         if not quantizers or any(q.op_type != "QuantizeLinear" for q in quantizers):
             continue  # its output also goes somewhere in float
-        scales = {float(g.value(q.input[1])) for q in quantizers}
-        if len(scales) != 1 or mul[0].output[0] in g.graph_outputs:
-            continue
+        values = [g.value(q.input[1]) for q in quantizers]
+        scales = {float(v) for v in values if v is not None and v.size == 1}
+        if len(scales) != 1 or any(v is None for v in values) or mul[0].output[0] in g.graph_outputs:
+            continue  # not one constant per-tensor scale
         conv_q = _qdq(model, out, scales.pop(), ZERO_POINT)
         sigmoid_q = _qdq(model, sigmoid[0].output[0], 1 / 255, 0)
         sigmoid[0].input[0] = conv_q[-1].output[0]
