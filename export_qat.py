@@ -91,34 +91,28 @@ def output_path(weights: Path, include: str) -> Path:
     return weights.with_name(weights.stem + INCLUDE[include])
 
 
-def write_avx2(path: Path) -> dict:
-    """``path`` re-encoded for OpenVINO on CPUs without VNNI or AMX, written beside it as NAME-avx2.onnx."""
+def write_cpu_graph(path: Path, flag: str, weights: str = "uint8") -> dict:
+    """``path`` rewritten for a CPU runtime and written beside it: ``--openvino-avx2`` as NAME-avx2.onnx (re-encoded
+    for OpenVINO on CPUs without VNNI or AMX), ``--onnxruntime-cpu`` as NAME-ort.onnx (re-placed for ONNX Runtime's
+    CPU kernels, ``weights`` their encoding)."""
     import onnx
 
     from utils.qat.core.atomic import write_bytes
-    from utils.qat.onnx.avx2 import reencode
     model = onnx.load(str(path))
-    counts = reencode(model)
-    out = path.with_name(path.stem + "-avx2.onnx")
+    if flag == "--openvino-avx2":
+        from utils.qat.onnx.avx2 import reencode
+        counts, out = reencode(model), path.with_name(path.stem + "-avx2.onnx")
+        what = (f"for OpenVINO on CPUs without VNNI or AMX ({counts['weights']} weight tensors on 7 bits, "
+                f"{counts['activations']} activation quantizers as uint8)")
+    else:
+        from utils.qat.onnx.ort_cpu import place
+        counts, out = place(model, weights), path.with_name(path.stem + "-ort.onnx")
+        counts = {"weight_encoding": weights, **counts}
+        what = (f"for ONNX Runtime on CPUs ({counts['convolutions']} convolutions with an INT8 output, "
+                f"{counts['weights']} weight tensors as {weights})")
     write_bytes(out, model.SerializeToString())
-    print(f"  {out}: for OpenVINO on CPUs without VNNI or AMX ({counts['weights']} weight tensors on 7 bits, "
-          f"{counts['activations']} activation quantizers as uint8)")
+    print(f"  {out}: {what}")
     return {"path": str(out), **counts}
-
-
-def write_ort_cpu(path: Path, weights: str) -> dict:
-    """``path`` re-placed for ONNX Runtime's CPU kernels, written beside it as NAME-ort.onnx."""
-    import onnx
-
-    from utils.qat.core.atomic import write_bytes
-    from utils.qat.onnx.ort_cpu import place
-    model = onnx.load(str(path))
-    counts = place(model, weights)
-    out = path.with_name(path.stem + "-ort.onnx")
-    write_bytes(out, model.SerializeToString())
-    print(f"  {out}: for ONNX Runtime on CPUs ({counts['convolutions']} convolutions with an INT8 output, "
-          f"{counts['weights']} weight tensors as {weights})")
-    return {"path": str(out), "weight_encoding": weights, **counts}
 
 
 def main(args: argparse.Namespace) -> list[dict]:
@@ -152,12 +146,13 @@ def main(args: argparse.Namespace) -> list[dict]:
                  f"the engine build and runner with --plugins" if plugin in THIRD_PARTY_PLUGINS
                  else "deprecated since TensorRT 10.12, TensorRT's native NMS layer (--nms onnx) replaces it")
         print(f"notice: --nms trt uses the {plugin} plugin; {where}.")
-    if args.openvino_avx2 and not quantized:
-        raise QATError(f"{weights} is a floating-point checkpoint: --openvino-avx2 re-encodes INT8 Q/DQ graphs; give "
-                       "a quantized checkpoint (qat.py quantize), or leave the flag out (FP32 graphs run as they are).")
-    if args.onnxruntime_cpu and not quantized:
-        raise QATError(f"{weights} is a floating-point checkpoint: --onnxruntime-cpu re-places INT8 Q/DQ graphs; give "
-                       "a quantized checkpoint (qat.py quantize), or leave the flag out (FP32 graphs run as they are).")
+    cpu_flags = [f for f, on in (("--openvino-avx2", args.openvino_avx2),
+                                 ("--onnxruntime-cpu", args.onnxruntime_cpu)) if on]
+    if cpu_flags and not quantized:
+        raise QATError(f"{weights} is a floating-point checkpoint: {' and '.join(cpu_flags)} "
+                       f"{'rewrites' if len(cpu_flags) == 1 else 'rewrite'} INT8 Q/DQ graphs for CPUs; give a "
+                       f"quantized checkpoint (qat.py quantize), or leave {'it' if len(cpu_flags) == 1 else 'them'} "
+                       "out (FP32 graphs run as they are).")
     if (args.onnxruntime_cpu or args.openvino_avx2) and args.half:
         raise QATError("--half makes a graph for TensorRT 11 (FP16 between the Q/DQ pairs); the CPU graphs "
                        "(--onnxruntime-cpu, --openvino-avx2) are FP32: export them without --half.")
@@ -186,9 +181,9 @@ def main(args: argparse.Namespace) -> list[dict]:
         if check and not quantized:
             print("  Q/DQ lint: skipped (a floating-point model has no Q/DQ nodes)")
         if args.openvino_avx2:
-            report["avx2"] = write_avx2(Path(report["path"]))
+            report["avx2"] = write_cpu_graph(Path(report["path"]), "--openvino-avx2")
         if args.onnxruntime_cpu:
-            report["ort_cpu"] = write_ort_cpu(Path(report["path"]), args.onnxruntime_cpu)
+            report["ort_cpu"] = write_cpu_graph(Path(report["path"]), "--onnxruntime-cpu", args.onnxruntime_cpu)
         reports.append(report)
     if check:
         bad = [r for r in reports if r["lint"] is not None and r["lint"]["total"]]

@@ -314,7 +314,7 @@ def test_openvino_avx2_graph_runs_as_written_on_any_cpu(yolov9_tree, openvino, g
         broken = _val(yolov9_tree, graphs["INT8"], "openvino", shapes, tmp_path)["AP"]
         assert broken < reference - 0.1, (broken, reference)
     error = cli_error(yolov9_tree, "export_qat.py", "--weights", str(QS_WEIGHTS), "--openvino-avx2")
-    assert "is a floating-point checkpoint: --openvino-avx2 re-encodes INT8 Q/DQ graphs" in error
+    assert "is a floating-point checkpoint: --openvino-avx2 rewrites INT8 Q/DQ graphs for CPUs" in error
 
 
 def test_ov_vs_ort_compares_every_quantized_tensor(yolov9_tree, openvino, graphs, shapes, tmp_path):
@@ -352,7 +352,6 @@ def _first_fused_output_error(model, images: torch.Tensor, tmp_path: Path) -> tu
     import onnx
     import onnxruntime as ort
 
-    from utils.qat.onnx.onnx_graph import constant_value
     model = copy.deepcopy(model)
     q = next(n for n in model.graph.node if n.op_type == "QuantizeLinear" and n.name.endswith("_ort_Q"))
     model.graph.output.append(onnx.helper.make_tensor_value_info(q.output[0], onnx.TensorProto.UINT8, None))
@@ -364,7 +363,6 @@ def _first_fused_output_error(model, images: torch.Tensor, tmp_path: Path) -> tu
         options.graph_optimization_level, options.log_severity_level, options.intra_op_num_threads = level, 3, 1
         session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         outputs.append(session.run([q.output[0]], {"images": images.numpy()})[0].astype(int))
-    assert constant_value(model.graph, q.input[2]) is not None
     steps = np.abs(outputs[0] - outputs[1])
     return float(steps.mean()), float(steps.max())
 
@@ -441,7 +439,7 @@ def test_onnxruntime_cpu_graph_is_fused_and_computed_as_written(yolov9_tree, gra
             assert q7.dtype == np.int8 and np.abs(2 * q7.astype(int) - q8).max() <= 1
 
     for args, sentence in ((("--weights", str(QS_WEIGHTS), "--onnxruntime-cpu"),
-                            "is a floating-point checkpoint: --onnxruntime-cpu re-places INT8 Q/DQ graphs"),
+                            "is a floating-point checkpoint: --onnxruntime-cpu rewrites INT8 Q/DQ graphs for CPUs"),
                            (("--weights", str(weights), "--onnxruntime-cpu", "--half", "--imgsz", str(IMGSZ)),
                             "the CPU graphs (--onnxruntime-cpu, --openvino-avx2) are FP32")):
         before = sorted(tmp_path.rglob("*.onnx"))
