@@ -651,6 +651,31 @@ def test_unwritable_output_leaves_nothing(fp_model, work):
     assert [p.name for p in folder.iterdir()] == ["model.onnx"] and (folder / "model.onnx").is_dir()
 
 
+def test_export_skips_the_exporters_graph_checks_and_writes_the_same_onnx(shared, work, monkeypatch):
+    """export_onnx leaves out the TorchScript exporter's graph checks (``torch._C._jit_pass_lint``, seconds each on
+    a quantized model): the file is byte for byte the one written with them, and the checks are back after it."""
+    import contextlib
+
+    import torch
+    from utils.qat.onnx import onnx_export
+    from utils.qat.quantize.model_quant import QuantConfig, quantize
+    x = real_images(shared / "datasets" / "coco369" / "images" / "train2017", 1, 64)
+    qmodel, _ = quantize(build(TINY_GELAN), [x], QuantConfig(method="max", head_amax="calibrated"), example=x)
+    calls = []
+    original = torch._C._jit_pass_lint
+
+    def counted(graph):
+        calls.append(1)
+        return original(graph)
+    monkeypatch.setattr(torch._C, "_jit_pass_lint", counted)
+    onnx_export.export_onnx(qmodel, work / "unlinted.onnx", imgsz=64, metadata={})
+    assert not calls and torch._C._jit_pass_lint is counted
+    monkeypatch.setattr(onnx_export, "_without_jit_lint", contextlib.nullcontext)
+    onnx_export.export_onnx(qmodel, work / "linted.onnx", imgsz=64, metadata={})
+    assert len(calls) >= 5
+    assert (work / "unlinted.onnx").read_bytes() == (work / "linted.onnx").read_bytes()
+
+
 def test_simplify_failure_keeps_unsimplified(yolov9_tree, work, monkeypatch, capsys):
     import export_qat
     from utils.qat.onnx import onnx_qdq
