@@ -490,6 +490,47 @@ def _evaluate(model, data):
                     workers=0)
 
 
+def test_a_runs_evaluations_share_one_val_loader_and_score_alike(fp_model, small_data, monkeypatch):
+    """A run scores its model after every stage (FP, PTQ, each epoch). ``Evaluation`` makes the val loader once
+    and keeps it, workers and all: the same scores as a loader of its own every time, also after a pass that broke
+    off after its first batch (the kept loader is then one batch into its order), and a pass over fewer images
+    makes its own loader."""
+    import utils.qat.evaluation.evaluate as evaluate_module
+    from utils.qat.evaluation.backends import TorchBackend
+    from utils.qat.evaluation.data import load_data_yaml
+    from utils.qat.run.pipeline import Evaluation
+
+    made = []
+    real = evaluate_module.dataloader
+
+    def counted(*args, **kwargs):
+        made.append(args[1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(evaluate_module, "dataloader", counted)
+    data = load_data_yaml(small_data)
+    score = Evaluation(data, imgsz=IMGSZ, batch_size=4, device=torch.device("cpu"), workers=1)
+
+    class BreaksOff(TorchBackend):
+        def __call__(self, images):
+            raise KeyboardInterrupt  # after the loader gave its first batch
+
+    first, _ = score(fp_model, "first")
+    with pytest.raises(KeyboardInterrupt):
+        evaluate_module.evaluate(BreaksOff(fp_model, torch.device("cpu")), data, imgsz=IMGSZ, batch_size=4,
+                                 workers=1, loaders=score.loaders)
+    second, _ = score(fp_model, "second")
+    assert len(made) == 1, "each full pass of the run made a loader of its own"
+    fresh = _evaluate(fp_model, small_data)
+    assert len(made) == 2
+    for m in (first, second):
+        assert m.images == fresh.images == 8
+        assert (m.mAP50_95, m.mAP50, m.instances) == (fresh.mAP50_95, fresh.mAP50, fresh.instances)
+        assert {h: x.mAP50_95 for h, x in m.halves.items()} == {h: x.mAP50_95 for h, x in fresh.halves.items()}
+    score(fp_model, "a part", num_images=4)
+    assert len(made) == 3
+
+
 @pytest.mark.slow
 @pytest.mark.e2e
 def test_val_trt_fp_onnx_equals_pytorch(yolov9_tree, fp_model, fp_dynamic, work, small_data):

@@ -90,19 +90,31 @@ def half_of(paths: Sequence[str]) -> list[str]:
 
 
 def val_batches(backend: Backend, data: dict, make_loader, *, imgsz: int, batch_size: int, workers: int,
-                num_images: int | None, desc: str):
+                num_images: int | None, desc: str, loaders: dict | None = None):
     """The val split as ``backend`` takes it: ``(limit, batches)``, ``limit`` the number of images to score and
     ``batches`` yielding ``(images, targets, paths, shapes, *rest)`` of upstream's dataloader
     (``make_loader``), images float in [0, 1] on the backend's device, target boxes in input pixels, with a
     progress bar, for as many batches as ``limit`` images fill. Fixed-size graphs and engines get their own
-    batch size and input size (letterboxed squares); others get upstream's rect batches."""
+    batch size and input size (letterboxed squares); others get upstream's rect batches.
+
+    ``loaders``: a dict that keeps the loader of a pass over every image for the next one with the same sizes
+    (a run's evaluations after each stage): upstream's loader keeps its workers, which read the first batches of
+    the next pass ahead while the run trains. Any ``len(loader)`` consecutive batches of it hold every image once
+    (its batches repeat in one order), so a pass that ended early leaves the next pass's images the same; a pass
+    over fewer images makes a loader of its own."""
     rect = backend.imgsz is None and backend.batch_size is None
     if backend.batch_size is not None:
         batch_size = backend.batch_size
     if backend.imgsz is not None:
         imgsz = max(backend.imgsz)
-    loader, dataset = make_loader(data, "val", imgsz, batch_size, backend.stride, workers=workers, rect=rect,
-                                  prefix=f"{desc}: ")
+    key = (imgsz, batch_size, backend.stride, rect, workers)
+    made = loaders.get(key) if loaders is not None and num_images is None else None
+    if made is None:
+        made = make_loader(data, "val", imgsz, batch_size, backend.stride, workers=workers, rect=rect,
+                           prefix=f"{desc}: ")
+        if loaders is not None and num_images is None:
+            loaders[key] = made
+    loader, dataset = made
     limit = len(dataset) if num_images is None else min(num_images, len(dataset))
     n_batches = (limit + batch_size - 1) // batch_size
 
@@ -120,9 +132,10 @@ def val_batches(backend: Backend, data: dict, make_loader, *, imgsz: int, batch_
 def evaluate(backend: Backend, data: dict, *, task: str = "detect", imgsz: int = 640, batch_size: int = 16,
              conf_thres: float = 0.001, iou_thres: float = 0.7, max_det: int = 300, workers: int = 8,
              num_images: int | None = None, save_json: str | Path | None = None,
-             desc: str = "evaluating") -> Metrics:
+             desc: str = "evaluating", loaders: dict | None = None) -> Metrics:
     """Score ``backend`` on the ``val`` split of ``data`` (a dict from ``load_data_yaml``): boxes, and for
-    ``task == "segment"`` masks too (the dataset needs polygon labels). ``save_json``: COCO-style predictions."""
+    ``task == "segment"`` masks too (the dataset needs polygon labels). ``save_json``: COCO-style predictions.
+    ``loaders``: val loaders kept from one evaluation to the next (:func:`val_batches`)."""
     from utils.general import scale_boxes, xywh2xyxy
     from utils.metrics import box_iou
 
@@ -136,7 +149,8 @@ def evaluate(backend: Backend, data: dict, *, task: str = "detect", imgsz: int =
     seen = 0
     start = time.time()
     limit, batches = val_batches(backend, data, functools.partial(dataloader, masks=hooks.masks), imgsz=imgsz,
-                                 batch_size=batch_size, workers=workers, num_images=num_images, desc=desc)
+                                 batch_size=batch_size, workers=workers, num_images=num_images, desc=desc,
+                                 loaders=None if loaders is None else loaders.setdefault(task, {}))
     for im, targets, paths, shapes, *extra in batches:
         dets = hooks.detections(backend(im), im.shape[2:])
         for si, det in enumerate(dets):

@@ -16,7 +16,7 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +36,8 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Evaluation:
     """How a run scores a model: mAP on the 'val' split of ``data`` at ``imgsz`` on ``device``; ``task``
-    picks the evaluation loop (segment: box + mask mAP, the mask's ranking)."""
+    picks the evaluation loop (segment: box + mask mAP, the mask's ranking). The val loader is made once and
+    kept for every evaluation of the run (``loaders``: its workers read ahead while the run trains)."""
     data: dict
     imgsz: int
     batch_size: int
@@ -45,6 +46,7 @@ class Evaluation:
     conf_thres: float = 0.001
     iou_thres: float = 0.7
     workers: int = 8
+    loaders: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __call__(self, model: nn.Module, desc: str, num_images: int | None = None,
                  save_json: Path | None = None) -> tuple[Any, float]:
@@ -54,7 +56,8 @@ class Evaluation:
         start = time.time()
         m = evaluate(TorchBackend(model, self.device, task=self.task), self.data, task=self.task, imgsz=self.imgsz,
                  batch_size=self.batch_size, conf_thres=self.conf_thres, iou_thres=self.iou_thres,
-                 workers=self.workers, num_images=num_images, save_json=save_json, desc=desc)
+                 workers=self.workers, num_images=num_images, save_json=save_json, desc=desc,
+                 loaders=self.loaders)
         return m, time.time() - start
 
 
