@@ -55,6 +55,23 @@ def _cost(tree, *argv: str) -> dict:
     return _main(tree, "cost", *argv)
 
 
+def test_search_heldout_loss_is_the_searchs_own(yolov9_tree):
+    """benchmarks/search_heldout.py scores a PTQ model by the search's objective: on the batches the search chose
+    on, ``head_loss`` gives the loss the search recorded when it ended, and the model is left in eval mode."""
+    import torch
+
+    from utils.qat.model import checkpoint
+    from utils.qat.quantize.model_quant import QuantConfig, quantize
+    bench = _module("search_heldout")
+    torch.manual_seed(0)
+    batches = [torch.rand(2, 3, 64, 64) for _ in range(3)]
+    qmodel, info = quantize(checkpoint.load_fp(QS), batches, QuantConfig(method="max", head_batches=2))
+    assert info.head_search["batches"] == 2
+    assert bench.head_loss(qmodel, batches[:2]) == pytest.approx(info.head_search["loss_after"], rel=1e-5)
+    assert bench.head_loss(qmodel, batches[2:]) != pytest.approx(info.head_search["loss_after"], rel=1e-3)
+    assert not qmodel.training and not qmodel.model[-1].training
+
+
 def test_qat_step_table_per_mode(yolov9_tree, tmp_path):
     """benchmarks/qat_step.py on the CPU at a tiny size: a row per model with each mode timed and counted, the
     speed-ups eager's time over each mode's, json and md written."""
