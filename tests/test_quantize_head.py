@@ -31,6 +31,30 @@ def _amax(model) -> dict[str, torch.Tensor]:
     return amax_state(model)
 
 
+def test_weights_quantized_once_give_the_same_network_and_are_put_back(calibrated, images):
+    """``weights_quantized``, inside which the amax searches run the network: each weight holds its quantized value and
+    its quantizer is off, the outputs equal the quantized model's bit for bit, and afterwards every weight and
+    weight quantizer is as before, also when the block raises."""
+    from utils.qat.quantize.state import weights_quantized
+    qmodel, _ = calibrated
+    qmodel.eval()
+    quantizers = [m.weight_quantizer for m in qmodel.modules() if hasattr(m, "weight_quantizer")]
+    on = [q.is_enabled for q in quantizers]
+    weights = {n: p.detach().clone() for n, p in qmodel.named_parameters()}
+    assert sum(on) > 50
+    with torch.no_grad():
+        want = qmodel(images)[0]
+        with weights_quantized(qmodel):
+            assert not any(q.is_enabled for q in quantizers)
+            assert any(not torch.equal(p, weights[n]) for n, p in qmodel.named_parameters())
+            got = qmodel(images)[0]
+        assert torch.equal(got, want)
+        with pytest.raises(RuntimeError), weights_quantized(qmodel):
+            raise RuntimeError
+    assert [q.is_enabled for q in quantizers] == on
+    assert all(torch.equal(p, weights[n]) for n, p in qmodel.named_parameters())
+
+
 @pytest.mark.slow
 def test_search_lowers_the_head_loss_and_touches_only_head_scales(calibrated, images):
     import copy

@@ -37,7 +37,7 @@ from torch import nn
 from utils.qat.core.errors import QATError
 from utils.qat.quantize.cuda_graph import ValueGraph
 from utils.qat.quantize.rules import input_quantizers
-from utils.qat.quantize.state import enabled_quantizers, quantizers_off
+from utils.qat.quantize.state import enabled_quantizers, quantizers_off, weights_quantized
 from utils.qat.core.progress import progress
 
 FACTORS = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5)
@@ -215,41 +215,43 @@ def search_head_amax(model: nn.Module, batches: Iterable[torch.Tensor], groups: 
         with quantizers_off(everything):
             targets = [detect(capture.run(model, images)) for images in batches]
 
-        def loss(outputs: Iterable) -> torch.Tensor:  # per batch
-            return torch.stack([sum(head_distillation(out, target, detect.reg_max, detect.nc).values())
-                                for out, target in zip(outputs, targets)])
+        # every candidate runs with the same weights: each quantized once, the same outputs in every bit
+        with weights_quantized(model):
+            def loss(outputs: Iterable) -> torch.Tensor:  # per batch
+                return torch.stack([sum(head_distillation(out, target, detect.reg_max, detect.nc).values())
+                                    for out, target in zip(outputs, targets)])
 
-        def mean(graph: ValueGraph) -> float:
-            return sum(graph()) / len(batches)
+            def mean(graph: ValueGraph) -> float:
+                return sum(graph()) / len(batches)
 
-        cuda = replay and batches[0].is_cuda
-        # the body's candidates are scored through the rest of the network, from the searched unit's layer on:
-        # the same loss as running it all
-        prefix = _Prefix(model, batches)
-        body = ValueGraph(lambda: loss(prefix.outputs()), cuda, "body amax search")
+            cuda = replay and batches[0].is_cuda
+            # the body's candidates are scored through the rest of the network, from the searched unit's layer on:
+            # the same loss as running it all
+            prefix = _Prefix(model, batches)
+            body = ValueGraph(lambda: loss(prefix.outputs()), cuda, "body amax search")
 
-        def enter(unit: list[str]) -> None:
-            if prefix.enter(unit):
-                body.reset()
+            def enter(unit: list[str]) -> None:
+                if prefix.enter(unit):
+                    body.reset()
 
-        cached: list[list[torch.Tensor]] = []
-        # the body's output cached; the head writes into the list it is given: a copy
-        head_graph = ValueGraph(lambda: loss(detect(list(quantized)) for quantized in cached), cuda,
-                                "head amax search")
+            cached: list[list[torch.Tensor]] = []
+            # the body's output cached; the head writes into the list it is given: a copy
+            head_graph = ValueGraph(lambda: loss(detect(list(quantized)) for quantized in cached), cuda,
+                                    "head amax search")
 
-        if body_units:
-            before = mean(body)
-            found, best_loss = _descend(body_units, modules, lambda: mean(body), before, BODY_FACTORS,
-                                        "body amax search", enter=enter)
-            chosen.update(found)
-            body.reset()  # the recording's memory back before the head's
-        if head_units:
-            cached = [capture.run(model, images) for images in batches]  # the body as now scaled, run once
-            if not body_units:
-                before = best_loss = mean(head_graph)
-            found, best_loss = _descend(head_units, modules, lambda: mean(head_graph), best_loss, factors,
-                                        "head amax search")
-            chosen.update(found)
+            if body_units:
+                before = mean(body)
+                found, best_loss = _descend(body_units, modules, lambda: mean(body), before, BODY_FACTORS,
+                                            "body amax search", enter=enter)
+                chosen.update(found)
+                body.reset()  # the recording's memory back before the head's
+            if head_units:
+                cached = [capture.run(model, images) for images in batches]  # the body as now scaled, run once
+                if not body_units:
+                    before = best_loss = mean(head_graph)
+                found, best_loss = _descend(head_units, modules, lambda: mean(head_graph), best_loss, factors,
+                                            "head amax search")
+                chosen.update(found)
     finally:
         model.train(training)
     for name, units in (("body", body_units), ("head", head_units)):

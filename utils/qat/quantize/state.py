@@ -5,6 +5,8 @@
     with collecting(enabled_quantizers(model)):  # statistics in, no quantization (calibration)
         model(images)
     load_amax(other_model, amax_state(model))   # the amax of one model given to another of the same structure
+    with weights_quantized(model):              # many forward passes with the weights fixed (the amax searches)
+        model(images)
 
 Each context puts every quantizer back exactly as it found it, also when the block raises.
 """
@@ -35,6 +37,30 @@ def quantizers_off(quantizers: Iterable[TensorQuantizer]) -> Iterator[None]:
     finally:
         for q, on in zip(quantizers, was_on):
             q.enable() if on else q.disable()
+
+
+@contextlib.contextmanager
+@torch.no_grad()
+def weights_quantized(model: nn.Module) -> Iterator[None]:
+    """Inside the block each module's weight holds what its enabled weight quantizer makes of it, and that quantizer
+    is off: the same forward pass in every bit (the quantizer's own function computed it), without fake-quantizing
+    the unchanged weights again on every pass. For work that runs the network many times with fixed weights and no
+    gradients (the amax searches); the weights and quantizers are put back after it, also when the block raises."""
+    saved = []
+    for module in model.modules():
+        q = getattr(module, "weight_quantizer", None)
+        weight = getattr(module, "weight", None)
+        if isinstance(q, TensorQuantizer) and q.is_enabled and isinstance(weight, torch.Tensor):
+            quantized = q(weight)
+            saved.append((weight, weight.data, q))
+            weight.data = quantized.to(weight.dtype)
+            q.disable()
+    try:
+        yield
+    finally:
+        for weight, data, q in saved:
+            weight.data = data
+            q.enable()
 
 
 @contextlib.contextmanager
