@@ -175,6 +175,9 @@ def test_benchmark_cpu_writes_json_table_and_plot(yolov9_tree, openvino, graphs,
     assert sum(layers["time_share"].values()) == pytest.approx(1, abs=0.01)
     md = (out / "results.md").read_text()
     assert "| qs | OpenVINO | 2 |" in md and "INT8 speed-up" in md and "no Q/DQ on its input" in md
+    from utils.qat.evaluation.openvino_probe import openvino_int8_error, openvino_int8_exact
+    assert machine["openvino_int8_error"] == pytest.approx(openvino_int8_error())
+    assert ("| OpenVINO INT8 as written | yes" in md) is openvino_int8_exact(), md
     assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -229,6 +229,9 @@ def measure(models: Mapping[str, Mapping[str, str | os.PathLike]], *, runtimes: 
                                         "warmup": warmup, "runs": runs, "openvino_precision": "f32",
                                         "input": f"uniform random [0, 1), seed {seed}"},
                            "models": {}}
+    if "openvino" in runtimes:  # whether OpenVINO's INT8 outputs here are the graph's: asked of a probe graph
+        from utils.qat.evaluation.openvino_probe import openvino_int8_error
+        doc["machine"]["openvino_int8_error"] = openvino_int8_error()
     isa = doc["machine"]["isa"] or {}
     bf16 = bool(isa.get("AMX-BF16") or isa.get("AVX512-BF16"))
     rng = np.random.default_rng(seed)
@@ -263,6 +266,15 @@ def _spread(s: Mapping[str, Any]) -> str:
     return f"{s['p10_ms']:.1f}-{s['p90_ms']:.1f}"
 
 
+def _as_written(error: float) -> str:
+    """The table's sentence for OpenVINO's probe error (``utils.qat.evaluation.openvino_probe``)."""
+    from utils.qat.evaluation.openvino_probe import EXACT_TOLERANCE
+    if error <= EXACT_TOLERANCE:
+        return f"yes (a probe graph within {error:.1g} of its exact result)"
+    return (f"no: a quantized Concat feeding a convolution came out {error:.1%} off its exact result "
+            f"(utils/qat/evaluation/openvino_probe.py); its INT8 timings are real, its INT8 outputs are not the graph's")
+
+
 def render_markdown(doc: Mapping[str, Any]) -> str:
     """The machine, then one table row per model, runtime and batch: FP32 and INT8 latency (median, 10th-90th
     percentile), images per second, and the INT8 speed-up; then OpenVINO's INT8 execution graph per model."""
@@ -274,6 +286,8 @@ def render_markdown(doc: Mapping[str, Any]) -> str:
     out = ["### Machine", "", "| | |", "|---|---|", f"| CPU | {m['model']} |",
            f"| cores used | {s['threads']} threads of {m['cpus']} usable cores ({m['logical_cpus']} logical) |",
            f"| instruction sets | {flags} |", f"| 8-bit dot products | {EXACT.get(m.get('exact_int8'))} |",
+           *([f"| OpenVINO INT8 as written | {_as_written(m['openvino_int8_error'])} |"]
+             if m.get("openvino_int8_error") is not None else []),
            f"| runtimes | {vers} |",
            f"| load average (1 min) | {m.get('load')} before, {m.get('load_after')} after |",
            f"| settings | {s['imgsz']} px, {s['warmup']} warm-up + {s['runs']} timed rounds per case (FP32 and "
