@@ -6,7 +6,8 @@
 The CPU's flags answer part of it (``utils.qat.core.device.exact_int8_dot``: without VNNI or AMX OpenVINO's 8-bit
 products saturate), but not all: on an AMD EPYC (Zen 4) with AVX512-VNNI, OpenVINO 2026.4.0 and 2026.4.1 compute a
 quantized convolution exactly, yet a Concat whose output is quantized before a convolution, as in every YOLOv9
-block, comes out about 5% off, and the quickstart's INT8 graph scored mAP50-95 0.74 against ONNX Runtime's 0.94.
+block, comes out several percent off (8% for this probe), and the quickstart's INT8 graph scored mAP50-95 0.74
+against ONNX Runtime's 0.94.
 The probe is that pattern, in the encoding ``export_qat.py`` writes (a per-tensor symmetric INT8 activation, per-channel
 INT8 weights): two tensors concatenated, quantized, and a 1x1 convolution, at values over the whole INT8 range (which
 saturate where the flags say so). It is compiled once per process, a few milliseconds.

@@ -47,15 +47,15 @@ def weights_quantized(model: nn.Module) -> Iterator[None]:
     the unchanged weights again on every pass. For work that runs the network many times with fixed weights and no
     gradients (the amax searches); the weights and quantizers are put back after it, also when the block raises."""
     saved = []
-    for module in model.modules():
-        q = getattr(module, "weight_quantizer", None)
-        weight = getattr(module, "weight", None)
-        if isinstance(q, TensorQuantizer) and q.is_enabled and isinstance(weight, torch.Tensor):
-            quantized = q(weight)
-            saved.append((weight, weight.data, q))
-            weight.data = quantized.to(weight.dtype)
-            q.disable()
     try:
+        for module in model.modules():
+            q = getattr(module, "weight_quantizer", None)
+            weight = getattr(module, "weight", None)
+            if isinstance(q, TensorQuantizer) and q.is_enabled and isinstance(weight, torch.Tensor):
+                quantized = q(weight).to(weight.dtype)
+                saved.append((weight, weight.data, q))
+                weight.data = quantized
+                q.disable()
         yield
     finally:
         for weight, data, q in saved:
