@@ -94,13 +94,13 @@ def main(argv: list[str] | None = None) -> None:
             break
     own, held = batches[:args.head_batches], batches[args.head_batches:]
     layers = parse_layers(args.search_layers)
-    settings = {"calibrated": QuantConfig(head_amax="calibrated"), "head searched (default)": QuantConfig(),
-                f"head and layers {args.search_layers} searched": QuantConfig(search_layers=layers)}
+    hb = args.head_batches
+    settings = {"calibrated": QuantConfig(head_amax="calibrated", head_batches=hb),
+                "head searched (default)": QuantConfig(head_batches=hb),
+                f"head and layers {args.search_layers} searched": QuantConfig(head_batches=hb, search_layers=layers)}
     rows = []
     for name, config in settings.items():
         start = time.time()
-        config = QuantConfig(method=config.method, head_amax=config.head_amax, head_batches=args.head_batches,
-                             search_layers=config.search_layers)
         qmodel, info = ptq(fp, data, config, imgsz=args.imgsz, batch_size=args.batch_size, device=device,
                            calib_batches=args.calib_batches, workers=args.workers)
         calibrated = time.time() - start
