@@ -336,3 +336,33 @@ def test_cli_results_runs_the_real_commands(yolov9_tree, shapes, tmp_path):
     assert "## gelan-qs-shapes.pt, seed 57" in md and "| QAT epoch 1 |" in md and "**Timing**" not in md
     assert "| selection-free, mean of both |" in md and "| INT8 ONNX Runtime, best |" in md
     assert (out / "qs.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_ptq_spread_groups_the_committed_runs(tmp_path):
+    """benchmarks/ptq_spread.py on the qat.py reports it was written for (benchmarks/results/ptq-spread-h200/logs):
+    runs grouped by model and setting, a run whose calibration equals another's counted once, the table and plot
+    written; a file that is not a quantize report refused in one sentence."""
+    import json
+
+    from utils.qat.core.errors import QATError
+    bench = _module("ptq_spread")
+    logs = REPO / "benchmarks" / "results" / "ptq-spread-h200" / "logs"
+    result = bench.main([str(logs), "--out", str(tmp_path), "--label", "s"])
+    t = result["yolov9-t-coco"]
+    assert set(t) == {"mse, head searched", "mse, head searched, layers 0-5 searched"}
+    searched = t["mse, head searched, layers 0-5 searched"]
+    assert [r["name"] for r in searched["duplicates"]] == ["t-s05-cb30"]
+    assert searched["duplicates"][0]["same_as"] == "t-s05"
+    aps = sorted(r["AP"] for r in searched["runs"])
+    assert aps == [0.4009, 0.4028, 0.4036, 0.4044] and searched["mean"] == pytest.approx(sum(aps) / 4)
+    assert searched["min"] > t["mse, head searched"]["max"]  # every searched run above every default one
+    md = (tmp_path / "s.md").read_text()
+    assert "| c-def-cb30 (= c-def, counted once) |" in md and "## gelan-c-coco334" in md
+    assert (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"
+    assert json.loads((tmp_path / "s.json").read_text())["gelan-c-coco334"].keys() == result["gelan-c-coco334"].keys()
+    bad = tmp_path / "bad" / "report.json"
+    bad.parent.mkdir()
+    bad.write_text("{}")
+    with pytest.raises(QATError, match="is not a qat.py report.json"):
+        bench.main([str(bad), "--out", str(tmp_path / "x")])
+    assert not (tmp_path / "x").exists()
