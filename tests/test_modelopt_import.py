@@ -101,36 +101,3 @@ def test_every_first_modelopt_import_goes_through_the_toolkit():
     assert len(sites) >= 7  # rules, model_quant, calib, state, image_hist, checkpoint (twice): the scan sees them
     missing = [site for site, ok in sites.items() if not ok]
     assert not missing, f"modelopt.torch imported without utils.qat.quantize.modelopt_import first: {missing}"
-
-
-PINNED = textwrap.dedent("""\
-    import gc, weakref
-
-    class Marker:
-        pass
-
-    def first_use():
-        marker = Marker()  # stands for a calibration's dataloader, a local of the function that needed modelopt
-        {import_line}
-        return weakref.ref(marker)
-
-    ref = first_use()
-    gc.collect()
-    print("pinned" if ref() is not None else "freed")
-    """)
-
-
-def test_the_first_import_keeps_no_frame_of_its_caller(tmp_path):
-    """PuLP keeps an exception from its import (one per solver not installed), and the traceback keeps the import's
-    frames alive; imported on its own thread, those frames do not lead into the caller's, whose locals are freed
-    when it returns (before, ``ptq``'s dataloader outlived the run, and a later OpenVINO run ended in a segfault)."""
-    r, _ = _python(tmp_path, PINNED.format(import_line="from utils.qat.quantize.modelopt_import import mtq"))
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.split() == ["freed"]
-
-
-def test_modelopt_imported_directly_pins_its_callers_frame(tmp_path):
-    """The control: imported in the caller's thread, modelopt's import keeps the caller's locals alive."""
-    r, _ = _python(tmp_path, PINNED.format(import_line="import modelopt.torch.quantization"))
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.split() == ["pinned"]

@@ -245,14 +245,15 @@ def test_cpu_deploy_end_to_end_from_a_checkpoint(yolov9_tree, openvino, shapes, 
     """benchmarks/cpu_deploy.py as run from a patched tree (a subprocess, so its exit status counts): the quickstart
     checkpoint calibrated, exported FP32 and INT8, scored on both runtimes and timed; JSON, table and plot written;
     the FP32 graph scores alike on both runtimes, and OpenVINO's INT8 score sits near ONNX Runtime's only where the
-    probe says OpenVINO computes INT8 graphs as written on this CPU."""
+    probe says OpenVINO computes INT8 graphs as written on this CPU. With loader workers: with them, a first import of
+    modelopt inside the calibration once kept its dataloader to the exit, and the process segfaulted there."""
     from PIL import Image
 
     from utils.qat.evaluation.openvino_probe import openvino_int8_exact
     out = tmp_path / "cpu"
     r = run_tool(yolov9_tree, str(REPO / "benchmarks" / "cpu_deploy.py"), "--model", f"qs={QS_WEIGHTS}",
                  "--data", str(shapes), "--imgsz", "256", "--device", "cpu", "--calib-batches", "1", "--batch-size",
-                 "8", "--workers", "0", "--num-image", "16", "--batch", "1", "--threads", "1", "--warmup", "0",
+                 "8", "--workers", "2", "--num-image", "16", "--batch", "1", "--threads", "1", "--warmup", "0",
                  "--runs", "1", "--head-amax", "calibrated", "--out", str(out))
     assert r.returncode == 0, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
     doc = json.loads((out / "cpu-deploy.json").read_text())

@@ -9,21 +9,12 @@ modules and needs none of those plugins, so while modelopt is first imported the
 modelopt's own ``import_plugin`` treats as a missing package: skipped, silently. A package the process imported
 before is left alone, and once modelopt is loaded they import normally again. Every module here that uses modelopt
 imports this one first (tests/test_modelopt_import.py).
-
-The import runs on a thread of its own, so that its frames lead back to that thread's start and not into the code
-that first needed modelopt. Some of modelopt's dependencies keep an exception from their own import (PuLP's solver
-classes: ``err = e`` for each solver that is not installed); its traceback keeps every frame of that import alive,
-and through each frame's caller, the frame of the toolkit function that triggered it, with all its locals, for the
-rest of the process. In ``ptq`` that was the calibration's dataloader, whose worker processes then outlived the
-run: benchmarks/cpu_deploy.py, which calibrates and then runs OpenVINO in one process, ended in a segfault (exit
-status 139) at exit after writing its results.
 """
 from __future__ import annotations
 
 import contextlib
 import importlib
 import sys
-import threading
 from collections.abc import Iterable, Iterator
 
 #: The packages behind modelopt's optional plugins (``with import_plugin(...)`` in modelopt.torch); none of them
@@ -51,27 +42,9 @@ def load():
     """``modelopt.torch.quantization``, imported (once per process) with :data:`INTEGRATIONS` absent."""
     name = "modelopt.torch.quantization"
     if name not in sys.modules:
-        _import_detached(name)
+        with absent(INTEGRATIONS):
+            importlib.import_module(name)
     return sys.modules[name]
-
-
-def _import_detached(name: str) -> None:
-    """Import ``name`` with :data:`INTEGRATIONS` absent on a thread of its own (the module's docstring says why);
-    an error of the import is raised here."""
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            with absent(INTEGRATIONS):
-                importlib.import_module(name)
-        except BaseException as e:  # re-raised in the caller's thread
-            errors.append(e)
-
-    thread = threading.Thread(target=run, name=f"import {name}", daemon=True)
-    thread.start()
-    thread.join()
-    if errors:
-        raise errors[0]
 
 
 mtq = load()
