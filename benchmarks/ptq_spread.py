@@ -15,14 +15,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from utils.qat.core.atomic import write_text  # noqa: E402
-from utils.qat.core.errors import QATError, run_cli  # noqa: E402
+
+class QATError(Exception):
+    """A wrong input, in one sentence: printed as ``error: ...`` with exit status 2, before anything is written."""
+
+
+def write_text(dest: Path, text: str) -> None:
+    """``dest`` complete or not at all: written beside it, then renamed over it."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, dest)
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -121,6 +129,7 @@ def render(result: dict, label: str) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
+    """Each run's PTQ per setting, a panel per model, the mean as a line; written beside ``path``, then renamed."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -134,8 +143,10 @@ def plot(result: dict, path: Path) -> None:
         ax.set_title(model)
         ax.set_ylabel("PTQ mAP50-95 (line: mean)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
     plt.close(fig)
+    os.replace(tmp, path)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -151,4 +162,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    run_cli(main)
+    try:
+        main()
+    except QATError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
