@@ -188,8 +188,8 @@ def main(args: argparse.Namespace) -> dict:
     # modelopt imported here, before any dataloader exists. PuLP (one of its dependencies) keeps an exception from
     # its import (``err = e`` for each solver not installed), whose traceback keeps the frames of that import, and of
     # whatever called it, alive for the rest of the process. First imported inside the calibration, it kept ptq()'s
-    # dataloader and its worker processes to the interpreter's exit, where, after OpenVINO had run, the process
-    # ended in a segfault (status 139) with its files written (tests/test_openvino.py runs this with workers).
+    # dataloader and its worker processes to the interpreter's exit. Their ending there (SIGCHLD to torch's handler)
+    # is what killed the process with status 139 while OpenVINO made a Core per graph (openvino_core.py says why).
     from utils.qat.quantize import modelopt_import  # noqa: F401
     if "openvino" in args.runtime:
         from utils.qat.evaluation.backends import require_openvino

@@ -72,8 +72,8 @@ def _ort(path: Path, images: list[np.ndarray], threads: int) -> tuple[list[str],
 
 
 def _openvino(path: Path, images: list[np.ndarray], names: list[str], threads: int) -> list[dict]:
-    import openvino as ov
-    core = ov.Core()
+    from utils.qat.evaluation.openvino_core import shared_core
+    core = shared_core()
     model = core.read_model(str(path))
     model.reshape({model.inputs[0].get_any_name(): list(images[0].shape)})
     compiled = core.compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": threads})

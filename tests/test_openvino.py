@@ -147,6 +147,28 @@ def test_openvino_runs_the_qdq_convolutions_in_int8(yolov9_tree, openvino, graph
     np.testing.assert_allclose(ov_out, ort_out, rtol=1e-3, atol=1e-3)  # boxes in pixels, scores in [0, 1]
 
 
+CORES_IN_ORDER = """
+import signal, subprocess, sys
+from utils.qat.evaluation.backends import OpenVINOBackend
+first, second = (OpenVINOBackend(path) for path in sys.argv[1:3])
+del first   # graphs let go of in the order they were loaded: with a Core each, this left the thread's
+del second  # alternate signal stack on the first Core's freed memory
+signal.signal(signal.SIGCHLD, lambda *_: None)  # a Python handler runs on that stack (torch's DataLoader sets this one)
+subprocess.run([sys.executable, "-c", "pass"], check=True)
+print("survived")
+"""
+
+
+def test_graphs_let_go_in_load_order_leave_signals_working(yolov9_tree, openvino, graphs):
+    """Every graph OpenVINO compiles here shares the process's one Core (utils/qat/evaluation/openvino_core.py).
+    With a Core per graph, OpenVINO 2026.4.1's CPU plugin restored the thread's alternate signal stack out of order
+    when the graphs were let go in the order they were loaded, and the next signal a Python handler caught (a child
+    exiting) killed the process with SIGSEGV: a CI test worker died so. In a subprocess, so that a crash fails this
+    test and not the run."""
+    r = run_tool(yolov9_tree, "-c", CORES_IN_ORDER, str(graphs["FP32"]), str(graphs["INT8"]), timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("survived"), (r.returncode, r.stdout[-800:], r.stderr[-800:])
+
+
 @pytest.mark.slow
 def test_benchmark_cpu_writes_json_table_and_plot(yolov9_tree, openvino, graphs, tmp_path):
     out = tmp_path / "bench"

@@ -23,6 +23,7 @@ from utils.qat.core import yolov9
 from utils.qat.core.artifact import ArtifactMeta, is_end2end, task_from_outputs
 from utils.qat.core.device import exact_int8_dot
 from utils.qat.core.errors import QATError
+from utils.qat.evaluation.openvino_core import shared_core
 from utils.qat.evaluation.openvino_probe import openvino_int8_exact
 from utils.qat.onnx.avx2 import AVX2_ENCODING, ENCODING_KEY
 
@@ -220,7 +221,7 @@ class OpenVINOBackend(_GraphBackend):
             raise _missing_onnx(onnx_path)
         if torch.device(device).type != "cpu":
             raise QATError(f"OpenVINO runs on the CPU here, not on {device}; pass --device cpu.")
-        core = ov.Core()
+        core = shared_core()  # one per process: see openvino_core.py for the crash a Core per graph caused
         try:
             model = core.read_model(str(onnx_path))
             if shape is not None:

@@ -66,8 +66,8 @@ def probe_error(run: Callable[[Path, dict[str, np.ndarray]], np.ndarray], channe
 
 def _openvino(path: Path, inputs: dict[str, np.ndarray]) -> np.ndarray:
     """The graph's first output from OpenVINO's CPU plugin, what is not INT8 in f32 (as ``OpenVINOBackend`` runs it)."""
-    import openvino as ov
-    core = ov.Core()
+    from utils.qat.evaluation.openvino_core import shared_core
+    core = shared_core()
     request = core.compile_model(core.read_model(str(path)), "CPU",
                                  {"INFERENCE_PRECISION_HINT": "f32"}).create_infer_request()
     request.infer(inputs)
