@@ -64,12 +64,13 @@ def _calibration(p: argparse.ArgumentParser, task: str) -> None:
     p.add_argument("--head-batches", type=int, default=DEFAULT_HEAD_BATCHES,
                    help="--head-amax search: the calibration batches each candidate scale is scored on "
                         "(default: %(default)s)")
-    p.add_argument("--search-layers", default="", metavar="LAYERS",
-                   help="body layers (indices, ranges: 2-5) whose activation scales are searched after calibration "
-                        "like the head's, each candidate scored through the whole network on --head-batches "
-                        "batches (a whole forward pass per candidate: for GPUs, about 93 s for YOLOv9-t's 0-5 on an "
-                        "H100; YOLOv9-t: 0-5 with --lr 1e-5, docs/QAT.md 'YOLOv9-t: the early layers' scales "
-                        "searched')")
+    p.add_argument("--search-layers", default="auto", metavar="LAYERS",
+                   help="body layers (indices, ranges: 2-5; none) whose activation scales are searched after "
+                        "calibration like the head's, each candidate scored through the whole network on "
+                        "--head-batches batches (a whole forward pass per candidate: about 93 s for YOLOv9-t's 0-5 "
+                        "on an H100, minutes on a CPU). auto (the default): 0-5 for detection on a GPU, none on a "
+                        "CPU and for segmentation; the log says which (docs/QAT.md 'The search as the default on a "
+                        "GPU')")
     p.add_argument("--tie", choices=TIES, default=DEFAULT_TIE,
                    help="the one scale of tensors TensorRT needs on one scale (a Concat's inputs, MaxPool): max = "
                         "the largest of their calibrated amax, mse = the least squared error over all of them "
@@ -82,6 +83,7 @@ def _calibration(p: argparse.ArgumentParser, task: str) -> None:
 
 def _finetuning(p: argparse.ArgumentParser) -> None:
     from utils.qat.quantize.objectives import OBJECTIVES
+    from utils.qat.quantize.config import SEARCHED_LR
     from utils.qat.quantize.finetune import EMA_RAMPS, OPTIMIZERS, QATConfig
     d = QATConfig()
     p.add_argument("--epochs", type=int, default=d.epochs, help="QAT epochs (default: %(default)s)")
@@ -91,7 +93,8 @@ def _finetuning(p: argparse.ArgumentParser) -> None:
                    help="what fine-tuning minimises: head = distillation on the head's raw box/class outputs, "
                         "features = normalised block outputs, task = upstream's loss from the labels, "
                         "mse = this project's first recipe; combine with + (default: %(default)s)")
-    p.add_argument("--lr", type=float, default=d.lr, help="peak QAT learning rate (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=None,
+                   help=f"peak QAT learning rate (default: {SEARCHED_LR:g} where body layers are searched, else {d.lr:g})")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default=d.optimizer, help="default: %(default)s")
     p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="on conv weights (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=d.warmup,
@@ -124,7 +127,8 @@ def _finetuning(p: argparse.ArgumentParser) -> None:
 def qat_config(args) -> QATConfig:
     """The fine-tuning settings of a ``quantize`` command line."""
     from utils.qat.quantize.finetune import QATConfig
-    return QATConfig(epochs=args.epochs, iters=args.iters, lr=args.lr, objective=args.qat_loss,
+    lr = QATConfig().lr if args.lr is None else args.lr  # None: resolve_auto did not run (a caller of its own)
+    return QATConfig(epochs=args.epochs, iters=args.iters, lr=lr, objective=args.qat_loss,
                      optimizer=args.optimizer, weight_decay=args.weight_decay, warmup=args.warmup,
                      ema=args.ema, ema_ramp=args.ema_ramp, supervision_stride=args.supervision_stride, amax_lr=args.amax_lr,
                      bias_lr=args.bias_lr, box_gain=args.box_gain, mask_gain=args.mask_gain,
@@ -175,6 +179,18 @@ def get_args_parser(task: str = "detect", prog: str = "qat.py", description: str
     return parser
 
 
+def resolve_auto(args, device) -> None:
+    """``--search-layers auto`` and the ``--lr`` that goes with it, resolved for this task and device in ``args``
+    (so the run's report records what ran); the main process prints what auto chose."""
+    from utils.qat.quantize.config import parse_layers, resolve_lr, resolve_search
+    from utils.qat.quantize.finetune import QATConfig
+    args.search_layers, said = resolve_search(args.search_layers, args.task, device.type)
+    if said and distributed.is_main():
+        print(said, flush=True)
+    if hasattr(args, "lr"):
+        args.lr = resolve_lr(args.lr, parse_layers(args.search_layers), QATConfig().lr)
+
+
 def quant_config(args) -> QuantConfig:
     """The calibration settings of a ``quantize`` or ``sensitive`` command line."""
     from utils.qat.quantize.config import QuantConfig, parse_layers
@@ -222,6 +238,7 @@ def _quantize(args, device, launch) -> Path | None:
     from utils.qat.run.run_record import RunRecorder
     with distributed.same_on_every_rank():  # the checks every rank makes alike: one error, printed once
         fp = checkpoint.load_fp(args.weights, task=args.task, trust=args.trust_weights)
+        resolve_auto(args, device)
         config = quant_config(args)
         fp_patterns(fp, list(config.skip))  # --skip-layers and --search-layers: before any evaluation
         check_layers(fp, config.search_layers)
@@ -257,6 +274,7 @@ def cmd_sensitive(args) -> Path:
     from utils.qat.quantize.head import check_layers
     device = _one_process_device(args.device, "sensitive", args.task)
     fp = checkpoint.load_fp(args.weights, task=args.task, trust=args.trust_weights)
+    resolve_auto(args, device)
     config = quant_config(args)
     check_layers(fp, config.search_layers)
     data = _data(args, ("train", "val"))

@@ -190,6 +190,25 @@ def test_search_layers_run_the_network_from_the_searched_layer(calibrated, image
     assert prefix_runs == len(batches) * (2 + own * candidates + 1)
 
 
+def test_search_layers_auto_searches_detection_bodies_on_a_gpu_only():
+    """``--search-layers auto`` (the default) is ``0-5`` for detection calibrated on a GPU, with the lower rate
+    measured with it (docs/QAT.md 'The search as the default on a GPU'); none on a CPU or for segmentation; each
+    choice said in a sentence naming the flag that changes it. Layers or ``none`` given are taken as given."""
+    from utils.qat.quantize.config import parse_layers, resolve_lr, resolve_search
+    text, said = resolve_search("auto", "detect", "cuda")
+    assert text == "0-5" and said.startswith("--search-layers auto: layers 0-5 searched on this GPU")
+    assert "--search-layers none" in said
+    for task, device, where in (("detect", "cpu", "on the CPU"), ("segment", "cuda", "for segmentation"),
+                                ("segment", "cpu", "on the CPU")):
+        text, said = resolve_search("auto", task, device)
+        assert text == "" and where in said and said.endswith("pass --search-layers 0-5 to search them."), said
+    assert resolve_search("none", "detect", "cuda") == ("", None)
+    assert resolve_search("2,4", "segment", "cpu") == ("2,4", None)
+    assert resolve_lr(None, parse_layers("0-5"), 3e-5) == 1e-5
+    assert resolve_lr(None, parse_layers(""), 3e-5) == 3e-5
+    assert resolve_lr(2e-4, parse_layers("0-5"), 3e-5) == 2e-4
+
+
 def test_search_layers_checked_and_recorded(calibrated):
     from utils.qat.quantize.config import QuantConfig, QuantInfo, parse_layers
     from utils.qat.quantize.head import check_layers
