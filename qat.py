@@ -67,8 +67,8 @@ def _calibration(p: argparse.ArgumentParser, task: str) -> None:
     p.add_argument("--search-layers", default="auto", metavar="LAYERS",
                    help="body layers (indices, ranges: 2-5; none) whose activation scales are searched after "
                         "calibration like the head's, each candidate scored through the whole network on "
-                        "--head-batches batches (a whole forward pass per candidate: about 93 s for YOLOv9-t's 0-5 "
-                        "on an H100, minutes on a CPU). auto (the default): 0-5 for detection on a GPU, none on a "
+                        "--head-batches batches (a whole forward pass per candidate: 14-23 s for layers 0-5 on an "
+                        "H100 or H200, minutes on a CPU). auto (the default): 0-5 for detection on a GPU, none on a "
                         "CPU and for segmentation; the log says which (docs/QAT.md 'The search as the default on a "
                         "GPU')")
     p.add_argument("--tie", choices=TIES, default=DEFAULT_TIE,
