@@ -185,12 +185,6 @@ def main(args: argparse.Namespace) -> dict:
     from utils.qat.evaluation.data import load_data_yaml
     check_args(args)
     models = parse_models(args.model)
-    # modelopt imported here, before any dataloader exists. PuLP (one of its dependencies) keeps an exception from
-    # its import (``err = e`` for each solver not installed), whose traceback keeps the frames of that import, and of
-    # whatever called it, alive for the rest of the process. First imported inside the calibration, it kept ptq()'s
-    # dataloader and its worker processes to the interpreter's exit. Their ending there (SIGCHLD to torch's handler)
-    # is what killed the process with status 139 while OpenVINO made a Core per graph (openvino_core.py says why).
-    from utils.qat.quantize import modelopt_import  # noqa: F401
     if "openvino" in args.runtime:
         from utils.qat.evaluation.backends import require_openvino
         require_openvino()

@@ -60,6 +60,33 @@ def test_modelopt_imported_directly_pulls_transformers_in(fake_transformers):
     assert "/modelopt/" in log
 
 
+FIRST_IMPORT_IN_A_FRAME = textwrap.dedent("""\
+    import gc, weakref
+    class Dataloader:  # what ptq() held when it first imported modelopt
+        pass
+    def calibrate():
+        loader = Dataloader()
+        from utils.qat.quantize import modelopt_import  # noqa: F401
+        return weakref.ref(loader)
+    loader = calibrate()
+    gc.collect()
+    print("freed" if loader() is None else "kept")
+    """)
+
+
+def test_the_first_importers_frames_are_let_go(tmp_path):
+    """PuLP (imported by modelopt) keeps the exception of each solver it did not find, with its traceback, in the
+    solver's class: the frames of whoever imported modelopt first. Inside the calibration that kept its dataloader,
+    worker processes and all, to the process's exit. The toolkit's import drops those tracebacks; the control shows
+    modelopt imported directly keeps them (so this test can fail)."""
+    r, _ = _python(tmp_path, FIRST_IMPORT_IN_A_FRAME)
+    assert r.returncode == 0 and r.stdout.strip() == "freed", (r.stdout, r.stderr[-2000:])
+    control = FIRST_IMPORT_IN_A_FRAME.replace("from utils.qat.quantize import modelopt_import",
+                                              "import modelopt.torch.quantization")
+    r, _ = _python(tmp_path, control)
+    assert r.returncode == 0 and r.stdout.strip() == "kept", (r.stdout, r.stderr[-2000:])
+
+
 def test_a_package_imported_before_is_left_as_it_is(fake_transformers):
     r, log = _python(fake_transformers, textwrap.dedent("""\
         import transformers

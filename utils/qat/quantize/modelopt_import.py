@@ -38,12 +38,31 @@ def absent(names: Iterable[str]) -> Iterator[None]:
                 del sys.modules[n]
 
 
+def drop_kept_tracebacks(modules: Iterable[str]) -> None:
+    """Drops the tracebacks of exceptions that ``modules`` keep, in their globals or their classes' attributes.
+    PuLP, which modelopt imports, keeps one per solver it did not find (``err = e`` in each solver class); its
+    traceback holds the frames of that import and of whoever imported first, so a first import inside the
+    calibration kept its dataloader, worker processes and all, to the process's exit."""
+    for name in modules:
+        module = sys.modules.get(name)
+        if module is None:
+            continue
+        for value in list(vars(module).values()):
+            kept = [value] if not isinstance(value, type) else list(vars(value).values())
+            for item in kept:
+                if isinstance(item, BaseException):
+                    item.__traceback__ = None
+
+
 def load():
-    """``modelopt.torch.quantization``, imported (once per process) with :data:`INTEGRATIONS` absent."""
+    """``modelopt.torch.quantization``, imported (once per process) with :data:`INTEGRATIONS` absent; the exceptions
+    its dependencies keep from that import let go of its callers' frames."""
     name = "modelopt.torch.quantization"
     if name not in sys.modules:
+        before = set(sys.modules)
         with absent(INTEGRATIONS):
             importlib.import_module(name)
+        drop_kept_tracebacks(set(sys.modules) - before)
     return sys.modules[name]
 
 
