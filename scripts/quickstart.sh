@@ -79,7 +79,9 @@ say "4/6 PTQ calibration + QAT ($EPOCHS epoch(s) x $ITERS batches) of the embedd
 QAT=$RUN/weights/qat_best_gelan-qs-shapes.pt
 
 say "5/6 Q/DQ ONNX export + lint"
-"$PY" export_qat.py --weights "$QAT" --include onnx --simplify --imgsz $IMGSZ --device cpu
+# --dynamic as README's step 3: batches of 16 and the checkpoint's own input sizes, so the graph is scored as
+# qat.py eval scored the checkpoint.
+"$PY" export_qat.py --weights "$QAT" --include onnx --dynamic --simplify --imgsz $IMGSZ --device cpu
 ONNX=${QAT%.pt}.onnx
 
 say "6/6 INT8 ONNX Runtime evaluation of the exported graph"

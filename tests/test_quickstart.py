@@ -15,6 +15,9 @@ from conftest import REPO
 # process (as the suite runs), 0.9283 0.9287 with two. From the default 25 batches (PTQ 0.9282) a short CPU run
 # gains nothing that holds: 0.9311 0.9294 with two threads, 0.9277 0.9256 with one. QAT_MARGIN keeps it meaningful.
 QAT_MARGIN = 0.001
+# The exported graph against its checkpoint: rounding of the two runtimes, which moved YOLOv9-t's score on COCO by up
+# to 0.0038; a graph scored at another input size than the checkpoint moved this one by 0.0045.
+ORT_MARGIN = 0.004
 
 
 @pytest.mark.slow
@@ -35,10 +38,18 @@ def test_quickstart_end_to_end(tmp_path):
     from utils.qat.onnx.onnx_lint import lint
     report = lint(weights / "qat_best_gelan-qs-shapes.onnx")
     assert report["total"] == 0, report["findings"]
+    # exported with --dynamic, so ONNX Runtime sees the batches qat.py eval saw (a fixed 256x256 graph scored
+    # 0.0045 above its checkpoint: eval pads these 256 px images to 288)
+    import onnx
+    graph = onnx.load(weights / "qat_best_gelan-qs-shapes.onnx", load_external_data=False).graph
+    dims = [d.dim_param or d.dim_value for d in graph.input[0].type.tensor_type.shape.dim]
+    assert dims == ["batch", 3, "height", "width"], dims
 
     rows = {m["name"]: m for m in json.loads((run / "report.json").read_text())["models"]}
     assert set(rows) == {"Origin", "PTQ", "QAT", "INT8 ONNX Runtime"}
-    assert abs(rows["INT8 ONNX Runtime"]["AP"] - rows["QAT"]["AP"]) <= 0.01
+    # the same checkpoint on two runtimes: last-bit differences only (0.0001 on 2026-11-29)
+    ort, qat = rows["INT8 ONNX Runtime"], rows["QAT"]
+    assert abs(ort["AP"] - qat["AP"]) <= ORT_MARGIN, (ort, qat)
     assert rows["QAT"]["AP"] >= rows["Origin"]["AP"] - 0.02
     # fine-tuning beat calibration, by more than rounding
     assert rows["QAT"]["AP"] > rows["PTQ"]["AP"] + QAT_MARGIN and rows["QAT"]["epoch"] >= 1, (rows["QAT"], rows["PTQ"])
