@@ -38,12 +38,10 @@ def test_quickstart_end_to_end(tmp_path):
     from utils.qat.onnx.onnx_lint import lint
     report = lint(weights / "qat_best_gelan-qs-shapes.onnx")
     assert report["total"] == 0, report["findings"]
-    # exported with --dynamic, so ONNX Runtime sees the batches qat.py eval saw (a fixed 256x256 graph scored
-    # 0.0045 above its checkpoint: eval pads these 256 px images to 288)
-    import onnx
-    graph = onnx.load(weights / "qat_best_gelan-qs-shapes.onnx", load_external_data=False).graph
-    dims = [d.dim_param or d.dim_value for d in graph.input[0].type.tensor_type.shape.dim]
-    assert dims == ["batch", 3, "height", "width"], dims
+    # exported with --dynamic, so ONNX Runtime sees the batches qat.py eval saw (eval pads these 256 px images to 288)
+    from utils.qat.onnx.onnx_qdq import graph_io
+    (images,) = graph_io(weights / "qat_best_gelan-qs-shapes.onnx")["inputs"]
+    assert images["shape"] == ["batch", 3, "height", "width"], images
 
     rows = {m["name"]: m for m in json.loads((run / "report.json").read_text())["models"]}
     assert set(rows) == {"Origin", "PTQ", "QAT", "INT8 ONNX Runtime"}
