@@ -77,6 +77,22 @@ def test_readme_lists_the_usage_commands():
     assert set(TOOLS) <= tools and "./scripts/val_trt.sh" in tools
 
 
+def _doc_links() -> list[tuple[str, str]]:
+    """(document, target) for each relative Markdown link of README, docs/ and the result sets' READMEs."""
+    docs = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")),
+            *sorted((REPO / "benchmarks" / "results").rglob("README.md"))]
+    return [(str(doc.relative_to(REPO)), target) for doc in docs
+            for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", doc.read_text())
+            if not re.match(r"[a-z]+:", target)]
+
+
+def test_every_relative_link_in_the_docs_resolves():
+    links = _doc_links()
+    assert len(links) > 100  # the README alone links dozens of result sets
+    broken = [f"{doc} -> {target}" for doc, target in links if not (REPO / doc).parent.joinpath(target).exists()]
+    assert not broken, "links to nothing: " + "; ".join(broken)
+
+
 @pytest.mark.parametrize("command", readme_commands() + REFERENCE)
 def test_command_parses_as_written(yolov9_tree, command):
     tool, argv = _argv(command)
