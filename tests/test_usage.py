@@ -1,5 +1,6 @@
 """The commands users type: every command of README's Usage and of the reference project's README parses with
-the flags as written, and the reference user's `qat.py eval` without --data runs on the tree's data/coco.yaml."""
+the flags as written, the reference user's `qat.py eval` without --data runs on the tree's data/coco.yaml, and
+every relative link of the docs a user follows leads to a file."""
 from __future__ import annotations
 
 import importlib
