@@ -1,4 +1,6 @@
-"""Deploying on CPUs, end to end from checkpoints: each model's FP32 and INT8 ONNX graphs, their mAP on ONNX Runtime
+"""Deploying on CPUs: FP32 against INT8 ONNX graphs on ONNX Runtime and OpenVINO, their mAP and their speed.
+
+From checkpoints, end to end: each model's FP32 and INT8 ONNX graphs, their mAP on ONNX Runtime
 and OpenVINO (the same graph on both: how far OpenVINO's INT8 kernels move the score), and their speed
 (``utils/qat/evaluation/cpu_bench.py``: FP32 vs INT8, batch 1 and a throughput batch, the CPU and its instruction
 sets, OpenVINO's execution graph of each INT8 graph). Writes OUT/cpu-deploy.json, OUT/cpu-deploy.md and
@@ -14,6 +16,19 @@ train split (qat.py quantize --ptq-only, on --device); ``NAME=FP.pt,INT8.pt`` gi
 qat.py run) instead. Both are exported as ``export_qat.py --dynamic`` does (the one exporter). ``--no-map``
 skips the evaluation (then --data is needed only for calibration). OpenVINO runs what is not INT8 in FP32 for
 both stages; on x86 CPUs without VNNI or AMX its INT8 convolutions saturate, which the mAP table shows.
+
+``--compare-runtimes GRAPH``: where OpenVINO and ONNX Runtime part on one Q/DQ graph, tensor by tensor. Every tensor
+the graph quantizes (each QuantizeLinear's activation input) becomes an output of a probe copy of the graph; both
+runtimes run it on the same letterboxed images (the first ``--num-image`` of ``--images``, default 2), and each
+tensor is compared in units of its own quantization step: the share of elements whose 8-bit code differs by one step
+or more, by two or more, and the largest difference. ONNX Runtime computes the graph as written, in float between the
+Q/DQ pairs; OpenVINO in integers with the scales folded in, so the two round a value that sits on a step's boundary
+differently, and a flip grows through the layers after it. The final outputs of the unchanged graph are compared too
+(OpenVINO fuses differently when inner tensors are outputs). Prints the table; with ``--out``, writes
+OUT/ov-vs-ort.json and OUT/ov-vs-ort.md.
+
+    python3 benchmarks/cpu_deploy.py --compare-runtimes qat_best.onnx --images data/coco/images/val2017 \\
+        --num-image 2 --out runs/benchmark/ov-vs-ort
 """
 from __future__ import annotations
 
@@ -21,6 +36,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -39,12 +55,17 @@ from utils.qat.model.safe_load import add_trust_flag  # noqa: E402
 from utils.qat.quantize.config import CALIB_METHODS, DEFAULT_CALIB_METHOD, HEAD_AMAX, DEFAULT_HEAD_AMAX  # noqa: E402
 
 STEM = "cpu-deploy"
+COMPARE_STEM = "ov-vs-ort"
 
 
 def get_args_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", action="append", required=True, metavar="NAME=FP.pt[,INT8.pt]",
+    p.add_argument("--model", action="append", metavar="NAME=FP.pt[,INT8.pt]",
                    help="a model: its FP checkpoint, and optionally its quantized one (repeatable)")
+    p.add_argument("--compare-runtimes", type=Path, metavar="GRAPH", default=None,
+                   help="instead: compare OpenVINO with ONNX Runtime on this Q/DQ graph (export_qat.py), tensor by tensor")
+    p.add_argument("--images", type=Path, default=None,
+                   help="--compare-runtimes: a folder of images (.jpg/.png), taken in name order")
     add_trust_flag(p)
     p.add_argument("--data", default=None, help="dataset yaml: train split calibrates, val split is scored")
     p.add_argument("--imgsz", type=int, default=640, help="export, evaluation and benchmark size (default 640)")
@@ -54,14 +75,16 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--calib-batches", type=int, default=4, help="calibration batches (default 4)")
     p.add_argument("--batch-size", type=int, default=8, help="calibration and evaluation batch (default 8)")
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--num-image", type=int, default=None, help="evaluate on the first N val images (default all)")
+    p.add_argument("--num-image", type=int, default=None,
+                   help="evaluate on the first N val images (default all; --compare-runtimes: N images, default 2)")
     p.add_argument("--no-map", action="store_true", help="skip the mAP evaluation")
     p.add_argument("--runtime", nargs="+", choices=ONNX_RUNTIMES, default=list(ONNX_RUNTIMES))
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="benchmark batch sizes (default 1 8)")
-    p.add_argument("--threads", type=int, default=None, help="benchmark threads (default: every usable core)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="benchmark (and --compare-runtimes) threads (default: every usable core)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--runs", type=int, default=10)
-    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--out", default=None, help="output folder (needed except with --compare-runtimes)")
     return p
 
 
@@ -179,11 +202,156 @@ def save(doc: dict, out: Path) -> None:
         cpu_bench.plot(doc["speed"], out / f"{STEM}.png")
 
 
+# ---- --compare-runtimes: OpenVINO against ONNX Runtime on one graph, tensor by tensor ---------------------
+
+def quantized_tensors(model) -> list[dict]:
+    """Each activation tensor a QuantizeLinear quantizes with one scale, in graph order: name, scale, zero point
+    and the code's range."""
+    import numpy as np
+
+    from utils.qat.onnx.onnx_qdq import QDQGraph
+    g = QDQGraph(model)
+    out, seen = [], set()
+    for n in g.nodes:
+        if n.op_type != "QuantizeLinear" or n.input[0] in g.constant or n.input[0] in seen:
+            continue
+        scale = g.value(n.input[1])
+        zero = g.value(n.input[2]) if len(n.input) > 2 else None
+        if scale is None or scale.size != 1:
+            continue
+        seen.add(n.input[0])
+        unsigned = zero is not None and zero.dtype == np.uint8
+        out.append({"tensor": n.input[0], "scale": float(scale), "zero_point": int(zero) if zero is not None else 0,
+                    "range": (0, 255) if unsigned else (-128, 127)})
+    return out
+
+
+def letterbox(path: Path, imgsz: int):
+    """One image, the same for both runtimes: resized to fit imgsz, padded below and to the right with 114 to a
+    square, RGB, NCHW float in [0, 1]."""
+    import cv2
+    import numpy as np
+    im = cv2.imread(str(path))
+    if im is None:
+        raise QATError(f"cannot read {path} as an image.")
+    r = imgsz / max(im.shape[:2])
+    im = cv2.resize(im, (round(im.shape[1] * r), round(im.shape[0] * r)), interpolation=cv2.INTER_LINEAR)
+    canvas = np.full((imgsz, imgsz, 3), 114, np.uint8)
+    canvas[:im.shape[0], :im.shape[1]] = im
+    return np.ascontiguousarray(canvas[:, :, ::-1].transpose(2, 0, 1)[None], dtype=np.float32) / 255
+
+
+def _ort(path: Path, images: list, threads: int) -> tuple[list[str], list[dict]]:
+    import onnxruntime as ort
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    feed = session.get_inputs()[0].name
+    return names, [dict(zip(names, session.run(None, {feed: x}))) for x in images]
+
+
+def _openvino(path: Path, images: list, names: list[str], threads: int) -> list[dict]:
+    from utils.qat.evaluation.openvino_core import shared_core
+    core = shared_core()
+    model = core.read_model(str(path))
+    model.reshape({model.inputs[0].get_any_name(): list(images[0].shape)})
+    compiled = core.compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": threads})
+    results = []
+    for x in images:
+        res = compiled({0: x})
+        by_name = {nm: res[o] for o in compiled.outputs for nm in o.get_names()}
+        results.append({n: by_name.get(n) for n in names})
+    return results
+
+
+def compare(graph: Path, images: list, threads: int) -> dict:
+    """The report: per quantized tensor the share of codes differing by >= 1 and >= 2 steps and the largest
+    difference (means over the images), and the unchanged graph's final outputs' largest and mean differences."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper
+    model = onnx.load(str(graph))
+    tensors = quantized_tensors(model)
+    if not tensors:
+        raise QATError(f"{graph} has no QuantizeLinear on an activation: compare a Q/DQ graph (export_qat.py).")
+    finals = [o.name for o in model.graph.output]
+    model.graph.output.extend([helper.make_tensor_value_info(t["tensor"], TensorProto.FLOAT, None) for t in tensors])
+    with tempfile.TemporaryDirectory() as tmp:
+        probe = Path(tmp) / "probe.onnx"
+        onnx.save(model, str(probe))
+        names, ref = _ort(probe, images, threads)
+        got = _openvino(probe, images, names, threads)
+    plain = _openvino(graph, images, finals, threads)
+    rows = []
+    for t in tensors:
+        lo, hi = t["range"]
+        one = two = worst = 0.0
+        for r, g in zip(ref, got):
+            a, b = r[t["tensor"]], g[t["tensor"]]
+            if b is None:  # OpenVINO did not keep this tensor under its name
+                one = two = worst = float("nan")
+                break
+            qa = np.clip(np.rint(a / t["scale"]) + t["zero_point"], lo, hi)
+            qb = np.clip(np.rint(b / t["scale"]) + t["zero_point"], lo, hi)
+            d = np.abs(qa - qb)
+            one += float((d >= 1).mean()) / len(images)
+            two += float((d >= 2).mean()) / len(images)
+            worst = max(worst, float(d.max()))
+        rows.append({"tensor": t["tensor"], "scale": t["scale"], "codes_1_step": round(one, 6),
+                     "codes_2_steps": round(two, 6), "max_steps": worst})
+    outputs = {f: {"max_abs": max(float(np.abs(r[f]).max()) for r in ref),
+                   "max_diff": max(float(np.abs(r[f] - p[f]).max()) for r, p in zip(ref, plain)),
+                   "mean_diff": float(np.mean([np.abs(r[f] - p[f]).mean() for r, p in zip(ref, plain)]))}
+               for f in finals}
+    return {"graph": str(graph), "images": len(images), "threads": threads, "outputs": outputs, "tensors": rows}
+
+
+def compare_table(report: dict) -> str:
+    lines = [f"{report['graph']}: {len(report['tensors'])} quantized tensors, {report['images']} images",
+             "", "| output | max abs | max diff | mean diff |", "|---|---:|---:|---:|"]
+    lines += [f"| {k} | {v['max_abs']:.4g} | {v['max_diff']:.4g} | {v['mean_diff']:.4g} |"
+              for k, v in report["outputs"].items()]
+    lines += ["", "| # | tensor | codes >= 1 step apart | >= 2 steps | max steps |", "|---:|---|---:|---:|---:|"]
+    lines += [f"| {i} | `{r['tensor']}` | {r['codes_1_step']:.5f} | {r['codes_2_steps']:.5f} | {r['max_steps']:g} |"
+              for i, r in enumerate(report["tensors"])]
+    return "\n".join(lines) + "\n"
+
+
+def compare_runtimes(args: argparse.Namespace) -> dict:
+    """--compare-runtimes: the report of :func:`compare`, printed, and written into --out when given."""
+    graph = args.compare_runtimes
+    if args.model:
+        raise QATError("--compare-runtimes compares one graph, --model deploys checkpoints: pass one of the two.")
+    if not graph.is_file():
+        raise QATError(f"{graph} not found: pass a Q/DQ ONNX graph written by export_qat.py.")
+    if args.images is None:
+        raise QATError("--compare-runtimes needs --images, a folder of images to run both runtimes on.")
+    files = sorted(f for f in args.images.glob("*") if f.suffix.lower() in (".jpg", ".jpeg", ".png"))
+    files = files[:args.num_image or 2]
+    if not files:
+        raise QATError(f"no .jpg/.png images in {args.images}: pass a folder of images with --images.")
+    from utils.qat.evaluation.backends import require_openvino
+    require_openvino()
+    report = compare(graph, [letterbox(f, args.imgsz) for f in files], args.threads or (os.cpu_count() or 1))
+    text = compare_table(report)
+    print(text, end="")
+    if args.out:
+        write_text(Path(args.out) / f"{COMPARE_STEM}.json", json.dumps(report, indent=1) + "\n")
+        write_text(Path(args.out) / f"{COMPARE_STEM}.md", text)
+    return report
+
+
 def main(args: argparse.Namespace) -> dict:
     import shlex
 
     from utils.qat.evaluation.data import load_data_yaml
     check_args(args)
+    if args.compare_runtimes is not None:
+        return compare_runtimes(args)
+    if not args.model or not args.out:
+        raise QATError("pass --model NAME=FP.pt[,INT8.pt] (one or more) and --out, the output folder; or "
+                       "--compare-runtimes GRAPH.")
     models = parse_models(args.model)
     if "openvino" in args.runtime:
         from utils.qat.evaluation.backends import require_openvino

@@ -1,7 +1,7 @@
 """OpenVINO on the CPU: val_trt.py --backend openvino scores the embedded quickstart model's FP32 and INT8 graphs
 (against ONNX Runtime on the same graphs), OpenVINO runs the Q/DQ convolutions with INT8 kernels, the CPU
-benchmark (scripts/benchmark_cpu.py) writes its JSON, table and plot, benchmarks/ov_vs_ort.py compares the two
-runtimes tensor by tensor, and the sentences a user meets. The CPU graphs export_qat.py writes beside the TensorRT
+benchmark (scripts/benchmark_cpu.py) writes its JSON, table and plot, benchmarks/cpu_deploy.py --compare-runtimes
+compares the two runtimes tensor by tensor, and the sentences a user meets. The CPU graphs export_qat.py writes beside the TensorRT
 one: `--openvino-avx2` for OpenVINO without VNNI, `--onnxruntime-cpu` for ONNX Runtime's fused INT8 kernels.
 
 The INT8 graph is the quickstart model calibrated ('max', 8 shapes images, head scales as calibrated: the cheapest
@@ -345,15 +345,16 @@ def test_openvino_avx2_graph_runs_as_written_on_any_cpu(yolov9_tree, openvino, g
     assert "is a floating-point checkpoint: --openvino-avx2 rewrites INT8 Q/DQ graphs for CPUs" in error
 
 
-def test_ov_vs_ort_compares_every_quantized_tensor(yolov9_tree, openvino, graphs, shapes, tmp_path):
-    """benchmarks/ov_vs_ort.py: every activation tensor the INT8 graph quantizes, in its own steps, and the final
-    outputs. The input image is quantized identically by both runtimes; on a CPU without VNNI or AMX the later
-    tensors part (OpenVINO's INT8 sums saturate there), so only the structure and the first tensor are asserted."""
+def test_compare_runtimes_compares_every_quantized_tensor(yolov9_tree, openvino, graphs, shapes, tmp_path):
+    """benchmarks/cpu_deploy.py --compare-runtimes: every activation tensor the INT8 graph quantizes, in its own
+    steps, and the final outputs. The input image is quantized identically by both runtimes; on a CPU without VNNI or
+    AMX the later tensors part (OpenVINO's INT8 sums saturate there), so only the structure and the first tensor are
+    asserted."""
     import onnx
-    out = tmp_path / "ov-vs-ort.json"
-    r = run_tool(yolov9_tree, str(REPO / "benchmarks" / "ov_vs_ort.py"), str(graphs["INT8"]), "--images",
-                 str(shapes.parent / "images" / "val"), "--num-image", "1", "--imgsz", str(IMGSZ), "--threads", "2",
-                 "--out", str(out))
+    out = tmp_path / "cmp" / "ov-vs-ort.json"
+    r = run_tool(yolov9_tree, str(REPO / "benchmarks" / "cpu_deploy.py"), "--compare-runtimes", str(graphs["INT8"]),
+                 "--images", str(shapes.parent / "images" / "val"), "--num-image", "1", "--imgsz", str(IMGSZ),
+                 "--threads", "2", "--out", str(out.parent))
     assert r.returncode == 0, r.stdout + r.stderr
     report = json.loads(out.read_text())
     graph = onnx.load(str(graphs["INT8"]))
@@ -365,8 +366,8 @@ def test_ov_vs_ort_compares_every_quantized_tensor(yolov9_tree, openvino, graphs
     assert first["codes_1_step"] == 0 and first["max_steps"] == 0
     assert set(report["outputs"]) == {o.name for o in graph.graph.output}
     assert "| # | tensor |" in out.with_suffix(".md").read_text()
-    missing = run_tool(yolov9_tree, str(REPO / "benchmarks" / "ov_vs_ort.py"), str(tmp_path / "none.onnx"),
-                       "--images", str(tmp_path))
+    missing = run_tool(yolov9_tree, str(REPO / "benchmarks" / "cpu_deploy.py"), "--compare-runtimes",
+                       str(tmp_path / "none.onnx"), "--images", str(tmp_path))
     assert missing.returncode == 2, missing.stdout + missing.stderr
     assert missing.stderr.strip() == (f"error: {tmp_path / 'none.onnx'} not found: pass a Q/DQ ONNX graph written "
                                       "by export_qat.py.")
