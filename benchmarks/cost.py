@@ -1,11 +1,14 @@
-"""What QAT costs against FP training, per model size, on one device: seconds per step and peak memory of
-upstream train.py's FP step and of our QAT step (``ratio`` = QAT / FP), calibration seconds per method and
-of the head amax search, evaluation images per second (FP against fake-quant), and optionally the data
-loader alone. Every phase runs on the same batches, read once and kept in memory, so the steps time the
-model's work, not the loader's (``--loader-batches`` times that separately). Random weights
-(``utils.qat.core.yolov9.reinit``): time and memory do not depend on them.
+"""What QAT costs, per model size and per step: time and memory against FP training, one step's work, FP16's mAP.
 
-Run from the top of a patched YOLOv9 tree (writes cost-<device>.json, .md and .png into --out):
+Three questions, one ``--mode`` each; run from the top of a patched YOLOv9 tree. Each writes JSON and markdown
+(``model`` a PNG too) named after the mode and ``--tag`` (default: the device, e.g. h100) into ``--out``.
+
+``--mode model`` (the default; cost-TAG.json/.md/.png): seconds per step and peak memory of upstream train.py's FP
+step and of our QAT step (``ratio`` = QAT / FP), calibration seconds per method and of the head amax search,
+evaluation images per second (FP against fake-quant), and optionally the data loader alone. Every phase runs on the
+same batches, read once and kept in memory, so the steps time the model's work, not the loader's
+(``--loader-batches`` times that separately). Random weights (``utils.qat.core.yolov9.reinit``): time and memory do
+not depend on them.
 
     python3 /path/to/yolov9-qat/benchmarks/cost.py --data data/coco.yaml --imgsz 640 --batch-size 16 \\
         --warmup 3 --steps 12 --calib-batches 8 --loader-batches 20
@@ -26,6 +29,36 @@ Run from the top of a patched YOLOv9 tree (writes cost-<device>.json, .md and .p
 
 A model the tree cannot build (the stand-in tree lacks ELAN1: gelan-t, gelan-s) is skipped with a note; one that
 runs out of memory keeps what was measured and says in which phase.
+
+``--mode step`` (qat-step-TAG.json/.md): seconds and operations of one QAT step per model size, for each way of
+running it. One step is the library's own (``utils.qat.quantize.finetune.QATStep``: teacher forward, student forward
+and backward, optimiser, learned amax, EMA) with the default ``QATConfig``, on random weights calibrated with ``max``
+on the same random batch. Per model and ``--impl`` (``eager``: the reference quantizer operations, ``triton``: the
+hand-written kernels of utils/qat/quantize/qdq_triton.py, both with every step eager; ``graph``: the kernels with the
+forward and backward replayed from a CUDA graph, utils/qat/quantize/cuda_graph.py: the default on CUDA) it reports
+the median step time after ``--warmup`` steps (compilation and the graph's recording happen there), and what one step
+runs: ATen operator calls issued from Python, GPU kernels and their summed time (torch.profiler, shapes not recorded;
+the kernels a graph replays are not seen one by one). On the CPU at a tiny size (``--imgsz 64 --batch-size 2``, the
+mode's defaults) arithmetic is negligible and the step time is what the quantizers' Python and operator overhead
+costs.
+
+    python3 /path/to/yolov9-qat/benchmarks/cost.py --mode step --device cuda:0 --imgsz 640 --batch-size 16 \\
+        --steps 20 --warmup 5
+
+``--mode fp16`` (autocast-TAG.json/.md, and the two graphs): what FP16 for TensorRT 11 (NVIDIA ModelOpt AutoCast)
+costs in mAP. A quantized checkpoint is exported as ``export_qat.py --dynamic --simplify`` does, without and with
+``--half`` (``utils.qat.onnx.onnx_export.to_fp16``), and each graph reports its ONNX Runtime mAP on the dataset's val
+split (val_trt.py's evaluator), the Q/DQ lint, which nodes feed every Conv (``onnx_lint.conv_feeds``), the Q/DQ scale
+types, the opset, how many nodes compute in FP16 and the Casts left. ONNX Runtime on the CPU runs FP16 operators it
+has no FP16 kernel for in FP32 between Casts it inserts itself, so the FP16 graph's numbers include FP16 rounding at
+every tensor the graph stores in FP16, not FP16 arithmetic inside the kernels (TensorRT's FP16 kernels accumulate
+in FP32 too). ``--diagnose`` (detection models) also scores, to tell what moves the difference: AutoCast keeping
+Q/DQ in FP32 (``op_types_to_exclude``: FP32 scales, Casts between DQ and Conv), and the FP32+INT8 graph with only
+its Q/DQ scales changed, rounded to FP16 values or multiplied by 1 + u (u uniform in +-2^-11, FP16's relative
+precision) for each ``--diagnose-seeds`` value.
+
+    python3 /path/to/yolov9-qat/benchmarks/cost.py --mode fp16 --weights runs/qat/exp/weights/qat_best.pt \\
+        --data data/coco.yaml --imgsz 640 --out runs/benchmark/autocast
 """
 from __future__ import annotations
 
@@ -58,43 +91,86 @@ from utils.qat.core.errors import QATError, run_cli  # noqa: E402
 from utils.qat.core.progress import progress  # noqa: E402
 from utils.qat.quantize.config import CALIB_METHODS, DEFAULT_CALIB_METHOD, QuantConfig  # noqa: E402
 from utils.qat.core.validate import Range, check_args, check_value  # noqa: E402
+from utils.qat.model.safe_load import add_trust_flag  # noqa: E402
 
 SIZES = ("gelan-t", "gelan-s", "gelan-m", "gelan-c", "gelan-e")
 HEAD_SEARCH = "head-search"
 METHODS = (*CALIB_METHODS, HEAD_SEARCH)
+RESULTS = Path(__file__).resolve().parent / "results"
 NBS = 64  # upstream train.py's nominal batch: it accumulates gradients over round(64 / batch) batches
 GIB = 2 ** 30
 
 
+MODES = ("model", "step", "fp16")
+IMPLS = ("eager", "triton", "graph")  # --mode step; graph: the triton kernels, replayed from a CUDA graph
+# each mode's defaults for the flags they share (a flag left at None takes its mode's)
+MODE_DEFAULTS = {"model": {"imgsz": 640, "batch_size": 16, "device": "", "workers": 8, "steps": 12},
+                 "step": {"imgsz": 64, "batch_size": 2, "device": "cpu", "steps": 10},
+                 "fp16": {"imgsz": 640, "batch_size": 8, "workers": 2}}
+FP16_VARIANTS = (("FP32+INT8", False), ("FP16+INT8 (AutoCast)", True))
+
+
 def get_args_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", choices=MODES, default="model",
+                   help="model: QAT against FP training per model size; step: one QAT step per quantizer "
+                        "implementation; fp16: the FP16+INT8 graph's mAP against the FP32+INT8 graph's")
     p.add_argument("--models", nargs="+", default=list(SIZES),
-                   help="model yamls: names in the tree's models/detect (gelan-c) or paths")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--data", help="dataset yaml: the batches are its first training batches")
-    src.add_argument("--synthetic", action="store_true", help="random images and boxes instead of a dataset")
+                   help="model yamls: names in the tree's models/detect (gelan-c) or paths (model, step)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--data", help="dataset yaml: the batches are its first training batches (model; fp16: its val "
+                                    "split is scored)")
+    src.add_argument("--synthetic", action="store_true", help="random images and boxes instead of a dataset (model)")
     p.add_argument("--hyp", default=DEFAULT_HYPS["detect"],
                    help=f"upstream hyp yaml: the loader's augmentation and the FP loss and optimizer ({NO_HYP}: no "
-                        f"augmentation, the FP step with {DEFAULT_HYPS['detect']}'s values)")
-    p.add_argument("--imgsz", type=int, default=640)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--device", default="", help="one device: 0, cuda:1, cpu (default: the first GPU)")
-    p.add_argument("--workers", type=int, default=8)
+                        f"augmentation, the FP step with {DEFAULT_HYPS['detect']}'s values) (model)")
+    p.add_argument("--imgsz", type=int, default=None, help="image size (default: 640; step: 64)")
+    p.add_argument("--batch-size", type=int, default=None, help="batch (default: 16; step: 2; fp16: 8)")
+    p.add_argument("--device", default=None, help="one device: 0, cuda:1, cpu (default: the first GPU; step: cpu)")
+    p.add_argument("--workers", type=int, default=None, help="loader workers (default: 8; fp16: 2)")
     p.add_argument("--warmup", type=int, default=3, help="steps (and evaluation batches) left out of the timing")
-    p.add_argument("--steps", type=int, default=12, help="timed steps of each loop")
-    p.add_argument("--accumulate", type=int, default=None, help="FP: batches per optimizer step (default: upstream's)")
-    p.add_argument("--calib-batches", type=int, default=8)
+    p.add_argument("--steps", type=int, default=None, help="timed steps of each loop (default: 12; step: 10)")
+    p.add_argument("--accumulate", type=int, default=None,
+                   help="FP: batches per optimizer step (default: upstream's) (model)")
+    p.add_argument("--calib-batches", type=int, default=8, help="(model)")
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS),
-                   help="calibrations to time (default: all; head-search is the head's scale search after mse)")
-    p.add_argument("--loader-batches", type=int, default=0, help="time the data loader alone over this many batches")
+                   help="calibrations to time (default: all; head-search is the head's scale search after mse) (model)")
+    p.add_argument("--loader-batches", type=int, default=0,
+                   help="time the data loader alone over this many batches (model)")
+    p.add_argument("--impl", nargs="+", default=list(IMPLS), choices=IMPLS, help="quantizer implementations (step)")
+    p.add_argument("--weights", default=None, help="quantized checkpoint, qat.py / segment/qat_seg.py (fp16)")
+    add_trust_flag(p)
+    p.add_argument("--num-image", type=int, default=None, help="score the first N val images only (fp16)")
+    p.add_argument("--diagnose", action="store_true", help="also the Q/DQ-FP32 AutoCast and scale perturbations (fp16)")
+    p.add_argument("--diagnose-seeds", default="1,2", help="seeds of the random scale perturbations (fp16)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
-    p.add_argument("--tag", default=None, help="file name tag (default: from the device, e.g. h100)")
+    p.add_argument("--out", default=None, help=f"output folder (default: {RESULTS}; fp16 writes two graphs there too "
+                                                "and needs it)")
+    p.add_argument("--tag", default=None, help="file name tag (default: from the device, e.g. h100; fp16: cpu)")
     return p
 
 
 def check(args: argparse.Namespace) -> None:
+    """Fills in the mode's defaults, then refuses what the mode cannot do, in one sentence, before any work."""
+    for key, value in MODE_DEFAULTS[args.mode].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     check_args(args)
+    if args.mode == "fp16":
+        if not args.weights or not args.data or not args.out:
+            raise QATError("--mode fp16 scores a quantized checkpoint's two graphs: pass --weights, --data (its val "
+                           "split is scored) and --out (the graphs are written there).")
+        return
+    if args.weights:
+        raise QATError(f"--weights is for --mode fp16; --mode {args.mode} measures random weights of --models.")
+    if args.mode == "step":
+        if args.data or args.synthetic:
+            raise QATError("--mode step runs on one random batch: drop --data / --synthetic.")
+        check_value("--warmup", args.warmup, Range(0))
+        check_value("--steps", args.steps, Range(1))
+        return
+    if not args.data and not args.synthetic:
+        raise QATError("--mode model times training on real batches: pass --data (a dataset yaml) or --synthetic.")
     check_value("--warmup", args.warmup, Range(1, hint="a step's time needs the end of the one before"))
     check_value("--steps", args.steps, Range(1))
     check_value("--accumulate", args.accumulate, Range(1))
@@ -387,14 +463,17 @@ def measure(name: str, fp: torch.nn.Module, batches: list[tuple], hyp: dict, dev
 
 # ---- the report --------------------------------------------------------------------------------------
 
-def machine(device: torch.device) -> dict:
-    from importlib.metadata import PackageNotFoundError, version
+def _version(dist: str) -> str | None:
+    from importlib import metadata
     try:
-        modelopt = version("nvidia-modelopt")
-    except PackageNotFoundError:
-        modelopt = None
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def machine(device: torch.device) -> dict:
     info = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({os.cpu_count()} cores)",
-            "torch": torch.__version__, "cuda": torch.version.cuda, "modelopt": modelopt,
+            "torch": torch.__version__, "cuda": torch.version.cuda, "modelopt": _version("nvidia-modelopt"),
             "python": platform.python_version()}
     if device.type == "cuda":
         info["device_memory_gib"] = round(torch.cuda.get_device_properties(device).total_memory / GIB, 1)
@@ -502,8 +581,8 @@ def save(result: dict, out: Path, tag: str, final: bool) -> None:
         plot(result, out / f"cost-{tag}.png")
 
 
-def main(args: argparse.Namespace) -> dict:
-    check(args)
+def measure_models(args: argparse.Namespace) -> dict:
+    """--mode model: every phase for each model, the report saved after each."""
     yamls = {name: model_yaml(name) for name in args.models}
     device = select_device(args.device)
     augment = load_hyp(args.hyp)
@@ -528,7 +607,7 @@ def main(args: argparse.Namespace) -> dict:
     batches = dataset_batches(data, args, augment, stride, n) if data else synthetic_batches(args, nc, n)
     if device.type == "cuda":
         batches = [(im.pin_memory(), t) for im, t in batches]
-    out, tag = Path(args.out), args.tag or device_tag(device)
+    out, tag = Path(args.out or RESULTS), args.tag or device_tag(device)
     settings = {k: getattr(args, k) for k in ("models", "data", "synthetic", "hyp", "imgsz", "batch_size", "device",
                                               "workers", "warmup", "steps", "accumulate", "calib_batches", "methods",
                                               "loader_batches", "seed")}
@@ -548,6 +627,272 @@ def main(args: argparse.Namespace) -> dict:
     save(result, out, tag, final=True)
     print(render(result))
     return result
+
+
+
+# ---- --mode step: one QAT step per quantizer implementation -------------------------------------------
+
+def step_operations(step, batch: torch.Tensor, device: torch.device) -> dict:
+    """ATen operator calls, GPU kernels and their summed milliseconds, of one step."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities, record_shapes=False) as prof:
+        step(batch)
+        _sync(device)
+    events = prof.events()
+    ops = sum(1 for e in events if e.name.startswith("aten::"))
+    gpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    cuda = device.type == "cuda"
+    return {"aten_ops": ops, "gpu_kernels": len(gpu) if cuda else None,
+            "gpu_ms": round(sum(e.device_time for e in gpu) / 1e3, 2) if cuda else None}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_step(qmodel: torch.nn.Module, teacher: torch.nn.Module, batch: torch.Tensor, impl: str,
+                 args: argparse.Namespace, device: torch.device) -> dict:
+    """``--warmup`` untimed steps, then the median of ``--steps`` timed ones and one profiled, for one implementation."""
+    from utils.qat.quantize import qdq
+    from utils.qat.quantize.finetune import QATConfig, QATStep
+    model = copy.deepcopy(qmodel)
+    with qdq.implementation("triton" if impl == "graph" else impl):
+        step = QATStep(model, copy.deepcopy(teacher), lambda: [batch], QATConfig(cuda_graph=impl == "graph"),
+                       device=device)
+        step.train()
+        try:
+            t0 = time.perf_counter()
+            for _ in range(args.warmup):
+                step(batch)
+            _sync(device)
+            warmup_s = time.perf_counter() - t0
+            times = []
+            for _ in range(args.steps):
+                t0 = time.perf_counter()
+                step(batch)
+                _sync(device)
+                times.append(time.perf_counter() - t0)
+            ops = step_operations(step, batch, device)
+        finally:
+            step.close()
+    return {"seconds_per_step": round(statistics.median(times), 5), "min_seconds": round(min(times), 5),
+            "warmup_seconds": round(warmup_s, 2), **ops}
+
+
+def measure_steps(args: argparse.Namespace) -> dict:
+    """--mode step: a row per model, each implementation timed and counted, eager's time over each's."""
+    from utils.qat.quantize.model_quant import fused_copy, quantize
+    from utils.qat.quantize.state import enabled_quantizers
+    yamls = {name: model_yaml(name) for name in args.models}
+    device = torch.device(args.device)
+    g = torch.Generator().manual_seed(args.seed)
+    batch = torch.rand(args.batch_size, 3, args.imgsz, args.imgsz, generator=g).to(device)
+    rows, skipped = [], {}
+    for name, path in yamls.items():
+        fp = build(path, 80, args.seed)
+        if isinstance(fp, str):
+            skipped[path.stem] = fp
+            print(f"{path.stem}: skipped, {fp}", flush=True)
+            continue
+        qmodel, _ = quantize(fp, [batch], QuantConfig(method="max", head_amax="calibrated"), device=device)
+        teacher = fused_copy(fp, device)
+        row = {"model": path.stem, "quantizers": len(enabled_quantizers(qmodel)),
+               "parameters_M": round(sum(p.numel() for p in fp.parameters()) / 1e6, 2)}
+        for impl in args.impl:
+            row[impl] = measure_step(qmodel, teacher, batch, impl, args, device)
+            print(f"{row['model']} {impl}: {row[impl]}", flush=True)
+        for impl in ("triton", "graph"):  # eager's time over each's
+            if "eager" in row and impl in row:
+                row[f"speedup_{impl}"] = round(row["eager"]["seconds_per_step"] / row[impl]["seconds_per_step"], 3)
+        rows.append(row)
+    if not rows:
+        raise QATError(f"none of --models {' '.join(args.models)} can be built by this tree; see the notes above.")
+    doc = {"device": torch.cuda.get_device_name(device) if device.type == "cuda"
+           else f"CPU ({platform.processor() or 'cpu'})",
+           "imgsz": args.imgsz, "batch_size": args.batch_size, "steps": args.steps, "warmup": args.warmup,
+           "threads": torch.get_num_threads(), "torch": torch.__version__, "platform": platform.platform(),
+           "skipped": skipped, "rows": rows}
+    out, tag = Path(args.out or RESULTS), args.tag or device_tag(device)
+    write_text(out / f"qat-step-{tag}.json", json.dumps(doc, indent=2) + "\n")
+    write_text(out / f"qat-step-{tag}.md", render_steps(doc))
+    print(render_steps(doc))
+    return doc
+
+
+def render_steps(doc: dict) -> str:
+    impls = [i for i in IMPLS if any(i in r for r in doc["rows"])]
+    speedups = [i for i in impls if any(f"speedup_{i}" in r for r in doc["rows"])]
+    head = "| " + " | ".join(["model", "params (M)", "quantizers"]
+                             + [f"{i} {c}" for i in impls for c in ("s/step", "ATen ops", "GPU kernels", "GPU ms")]
+                             + [f"speed-up {i}" for i in speedups]) + " |"
+    lines = [f"## QAT step: {doc['device']}, {doc['imgsz']} px, batch {doc['batch_size']} (median of {doc['steps']} "
+             f"steps after {doc['warmup']}; torch {doc['torch']}, {doc['threads']} threads)", "", head,
+             "|" + "---|" * (3 + 4 * len(impls) + len(speedups))]
+    for r in doc["rows"]:
+        cells = []
+        for i in impls:
+            m = r.get(i, {})
+            cells += [f"{m.get('seconds_per_step', '')}", f"{m.get('aten_ops', '')}", f"{m.get('gpu_kernels') or '-'}",
+                      f"{m.get('gpu_ms') or '-'}"]
+        cells += [f"{r.get(f'speedup_{i}', '-')}" for i in speedups]
+        lines.append(f"| {r['model']} | {r['parameters_M']} | {r['quantizers']} | " + " | ".join(cells) + " |")
+    lines += [f"- {name} skipped: {why}." for name, why in doc.get("skipped", {}).items()]
+    return "\n".join(lines) + "\n"
+
+
+# ---- --mode fp16: the FP16+INT8 graph against the FP32+INT8 graph -------------------------------------
+
+def diagnose(fp32: Path, out: Path, data: dict, args: argparse.Namespace) -> dict:
+    """mAP50-95 of the diagnostic graphs (see the module docstring), by name."""
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    from modelopt.onnx.autocast import convert_to_mixed_precision
+
+    from utils.qat.evaluation.backends import ORTBackend
+    from utils.qat.evaluation.evaluate import evaluate
+
+    def score(model, name: str) -> float:
+        path = out / f"diagnose-{name}.onnx"
+        onnx.save(model, str(path))
+        m = evaluate(ORTBackend(path, "cpu"), data, imgsz=args.imgsz, batch_size=args.batch_size,
+                     workers=args.workers, num_images=args.num_image, desc=name)
+        return round(float(m.mAP50_95), 6)
+
+    def scaled(fn):
+        m = onnx.load(str(fp32))
+        inits = {t.name: t for t in m.graph.initializer}
+        for name in sorted({n.input[1] for n in m.graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")}):
+            t = inits[name]
+            t.CopyFrom(numpy_helper.from_array(fn(numpy_helper.to_array(t).astype(np.float32)), name))
+        return m
+
+    npz = out / "diagnose-inputs.npz"
+    np.savez(npz, images=np.random.default_rng(0).random((1, 3, args.imgsz, args.imgsz), dtype=np.float32))
+    res = {"autocast_qdq_fp32": score(convert_to_mixed_precision(
+        str(fp32), "fp16", keep_io_types=True, calibration_data=str(npz),
+        op_types_to_exclude=["QuantizeLinear", "DequantizeLinear"]), "autocast_qdq_fp32")}
+    res["fp16round_0"] = score(scaled(lambda a: a.astype(np.float16).astype(np.float32)), "fp16round")
+    for seed in (int(x) for x in args.diagnose_seeds.split(",") if x):
+        rng = np.random.default_rng(seed)
+        res[f"random_{seed}"] = score(scaled(lambda a: (a * (1 + rng.uniform(-2 ** -11, 2 ** -11, a.shape)))
+                                             .astype(np.float32)), f"random{seed}")
+    return res
+
+
+def graph_facts(path: Path, allow_fp: list[str]) -> dict:
+    """Lint, Conv feeds, scale types, opset, FP16 share and Casts of one exported graph."""
+    from collections import Counter
+
+    import onnx
+
+    from utils.qat.onnx import onnx_lint
+    from utils.qat.onnx.onnx_export import module_to_onnx_pattern
+    m = onnx.load(str(path))
+    inits = {t.name: t for t in m.graph.initializer}
+    scale_types: Counter = Counter()
+    for n in m.graph.node:
+        if n.op_type in ("QuantizeLinear", "DequantizeLinear") and n.input[1] in inits:
+            scale_types[onnx.TensorProto.DataType.Name(inits[n.input[1]].data_type)] += 1
+    inferred = onnx.shape_inference.infer_shapes(m, strict_mode=False)
+    types = {v.name: v.type.tensor_type.elem_type for v in inferred.graph.value_info}
+    types.update({o.name: o.type.tensor_type.elem_type for o in m.graph.output})
+    float_nodes = [n for n in m.graph.node if n.output and types.get(n.output[0]) in (1, 10)]
+    fp16 = sum(1 for n in float_nodes if types.get(n.output[0]) == 10)
+    patterns = tuple(onnx_lint.DEFAULT_ALLOW_FP) + tuple(module_to_onnx_pattern(p) for p in allow_fp)
+    lint = onnx_lint.lint(m, allow_fp=patterns)
+    return {
+        "opset": next(o.version for o in m.opset_import if o.domain in ("", "ai.onnx")),
+        "lint": onnx_lint.format_lint(lint),
+        "lint_findings": lint["total"],
+        "conv_feeds": onnx_lint.conv_feeds(m),
+        "qdq_scale_types": dict(scale_types),
+        "float_nodes": len(float_nodes),
+        "fp16_nodes": fp16,
+        "casts": sum(1 for n in m.graph.node if n.op_type == "Cast"),
+        "size_mb": round(path.stat().st_size / 1e6, 2),
+    }
+
+
+def score_fp16(args: argparse.Namespace) -> dict:
+    """--mode fp16: the quantized checkpoint exported without and with AutoCast, each graph scored and described."""
+    import onnx
+    import onnxruntime
+
+    from utils.qat import __version__
+    from utils.qat.evaluation.backends import ORTBackend
+    from utils.qat.evaluation.data import load_data_yaml
+    from utils.qat.evaluation.evaluate import evaluate
+    from utils.qat.model import checkpoint
+    from utils.qat.onnx.onnx_export import export_onnx, load_for_export
+    from utils.qat.run import reports
+    ckpt = checkpoint.read(args.weights, trust=args.trust_weights)
+    model, task, quantized, fp_patterns = load_for_export(args.weights, ckpt)
+    if not quantized:
+        raise QATError(f"{args.weights} is not quantized; pass a checkpoint of qat.py or segment/qat_seg.py.")
+    data = load_data_yaml(args.data, splits=("val",))
+    out, tag = Path(args.out), args.tag or "cpu"
+    out.mkdir(parents=True, exist_ok=True)
+    stem = Path(args.weights).stem
+    rows, results = [], {}
+    for name, half in FP16_VARIANTS:
+        path = out / f"{stem}-{'fp16' if half else 'fp32'}.onnx"
+        t0 = time.time()
+        rep = export_onnx(model, path, imgsz=args.imgsz, dynamic=True, simplify=True, half=half, task=task,
+                          allow_fp=fp_patterns)
+        export_s = time.time() - t0
+        facts = graph_facts(path, fp_patterns)
+        backend = ORTBackend(path, "cpu")
+        t0 = time.time()
+        m = evaluate(backend, data, task=task, imgsz=args.imgsz, batch_size=args.batch_size, workers=args.workers,
+                     num_images=args.num_image, desc=f"ORT {name}")
+        eval_s = time.time() - t0
+        row = reports.entry(name, path, m, eval_s)
+        rows.append(row)
+        exact = {"mAP50_95": round(float(m.mAP50_95), 6), "mAP50": round(float(m.mAP50), 6)}
+        if task == "segment":
+            exact = {f"{k}_{g}": round(float(getattr(getattr(m, g), k)), 6) for g in ("box", "mask")
+                     for k in ("mAP50_95", "mAP50")}
+        results[name] = {**facts, "metrics": exact, "row": row, "export_seconds": round(export_s, 1),
+                         "eval_seconds": round(eval_s, 1), "export_opset": rep["opset"]}
+        print(f"{name}: {exact}  lint: {facts['lint']}  conv inputs: {facts['conv_feeds']['input']}")
+    diag = diagnose(out / f"{stem}-fp32.onnx", out, data, args) if args.diagnose and task == "detect" else None
+    a, b = (results[n]["metrics"] for n, _ in FP16_VARIANTS)
+    delta = {k: round(b[k] - a[k], 6) for k in a}
+    doc = {"weights": str(args.weights), "task": task, "imgsz": args.imgsz, "data": str(args.data),
+           "images": m.images, "variants": results, "delta_fp16_minus_fp32": delta, "diagnose": diag,
+           "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                       "torch": torch.__version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__,
+                       "modelopt": _version("nvidia-modelopt"), "yolov9_qat": __version__}}
+    write_text(out / f"autocast-{tag}.json", json.dumps(doc, indent=2) + "\n")
+    write_text(out / f"autocast-{tag}.md", render_fp16(doc, rows))
+    print(render_fp16(doc, rows))
+    return doc
+
+
+def render_fp16(doc: dict, rows: list[dict]) -> str:
+    from utils.qat.run import reports
+    lines = [f"## AutoCast FP16+INT8 vs FP32+INT8: {Path(doc['weights']).name} ({doc['task']}, {doc['imgsz']} px, "
+             f"{doc['images']} images, ONNX Runtime CPU)", "", reports.table(rows), "",
+             "| graph | opset | lint | Conv inputs | Conv weights | Q/DQ scales | FP16 nodes | Casts |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, v in doc["variants"].items():
+        feeds = {k: "; ".join(f"{p}: {c}" for p, c in v["conv_feeds"][k].items()) for k in ("input", "weight")}
+        scales = ", ".join(f"{k} {c}" for k, c in v["qdq_scale_types"].items())
+        lines.append(f"| {name} | {v['opset']} | {'clean' if not v['lint_findings'] else v['lint']} | "
+                     f"{feeds['input']} | {feeds['weight']} | {scales} | {v['fp16_nodes']}/{v['float_nodes']} | "
+                     f"{v['casts']} |")
+    delta = ", ".join(f"{k} {d:+.5f}" for k, d in doc["delta_fp16_minus_fp32"].items())
+    lines += ["", f"FP16+INT8 minus FP32+INT8: {delta}", ""]
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> dict:
+    check(args)
+    return {"model": measure_models, "step": measure_steps, "fp16": score_fp16}[args.mode](args)
 
 
 if __name__ == "__main__":

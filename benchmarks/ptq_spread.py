@@ -1,5 +1,6 @@
-"""How much of a PTQ figure is the setting, and how much the draw. Reads the report.json of `qat.py quantize` runs
-(``--ptq-only`` or whole), groups them by model and calibration setting (method, head scales, ``--search-layers``),
+"""How much of a PTQ figure is the setting, and how much the draw: PTQ runs side by side per model and setting.
+
+Reads the report.json of `qat.py quantize` runs (``--ptq-only`` or whole), groups them by model and calibration setting (method, head scales, ``--search-layers``),
 and within each group sets side by side the runs that differ only in what should not matter: how many calibration
 batches there are (``--calib-batches``) and how many of them the amax search scores on (``--head-batches``). Per
 model and setting it writes every run's PTQ mAP50-95 (with its even and odd image halves), their mean and range.
@@ -15,22 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
 
-
-class QATError(Exception):
-    """A wrong input, in one sentence: printed as ``error: ...`` with exit status 2, before anything is written."""
-
-
-def write_text(dest: Path, text: str) -> None:
-    """``dest`` complete or not at all: written beside it, then renamed over it."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, dest)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the library, from this checkout: no tree needed
+from utils.qat.core.atomic import atomic_path, write_text  # noqa: E402
+from utils.qat.core.errors import QATError, run_cli  # noqa: E402
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -143,14 +135,12 @@ def plot(result: dict, path: Path) -> None:
         ax.set_title(model)
         ax.set_ylabel("PTQ mAP50-95 (line: mean)")
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
     plt.close(fig)
-    os.replace(tmp, path)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = get_args_parser().parse_args(argv)
+def main(args: argparse.Namespace) -> dict:
     result = spread([read_run(f) for f in report_files(args.reports)])
     out = Path(args.out)
     write_text(out / f"{args.label}.json", json.dumps(result, indent=1))
@@ -162,8 +152,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except QATError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_cli(lambda: main(get_args_parser().parse_args()))

@@ -18,27 +18,6 @@ def _module(name: str):
     return module
 
 
-def test_quantizer_sensitivity_groups_fold_levels_and_cover_the_layer(yolov9_tree):
-    """benchmarks/quantizer_sensitivity.py: one group per branch position (levels folded), inputs apart
-    from weights, and the "all" groups hold exactly the layer's quantizers."""
-    from utils.qat.quantize.model_quant import QuantConfig, prepare
-    from utils.qat.quantize.state import enabled_quantizers
-    from utils.qat.model import checkpoint
-    bench = _module("quantizer_sensitivity")
-    qmodel, _ = prepare(checkpoint.load_fp(QS), QuantConfig(method="max"))
-    head = qmodel.model[-1]
-    every = enabled_quantizers(head)
-    groups = bench.quantizer_groups(head, "model.22", per_level=False)
-    assert {id(q) for q in groups.pop("all inputs") + groups.pop("all weights")} == {id(q) for q in every}
-    folded = [q for qs in groups.values() for q in qs]
-    assert len(folded) == len(every) and len({id(q) for q in folded}) == len(every)  # each in one group
-    assert all(re.fullmatch(r"model\.22\.cv[23]\.\*\.\d\.(input|weight)", name) for name in groups), list(groups)
-    levels = len(head.cv2)
-    assert all(len(qs) == levels for qs in groups.values())  # one quantizer per level in each group
-    per_level = bench.quantizer_groups(head, "model.22", per_level=True)
-    assert len(per_level) == len(every) + 2 and "model.22.cv3.0.2.input" in per_level
-
-
 def _main(tree, name: str, *argv: str) -> dict:
     """benchmarks/NAME.py's main in this process, from the top of the tree (as it is run)."""
     import os
@@ -55,26 +34,9 @@ def _cost(tree, *argv: str) -> dict:
     return _main(tree, "cost", *argv)
 
 
-def test_search_heldout_loss_is_the_searchs_own(yolov9_tree):
-    """benchmarks/search_heldout.py scores a PTQ model by the search's objective: on the batches the search chose
-    on, ``head_loss`` gives the loss the search recorded when it ended, and the model is left in eval mode."""
-    import torch
-
-    from utils.qat.model import checkpoint
-    from utils.qat.quantize.model_quant import QuantConfig, quantize
-    bench = _module("search_heldout")
-    torch.manual_seed(0)
-    batches = [torch.rand(2, 3, 64, 64) for _ in range(3)]
-    qmodel, info = quantize(checkpoint.load_fp(QS), batches, QuantConfig(method="max", head_batches=2))
-    assert info.head_search["batches"] == 2
-    assert bench.head_loss(qmodel, batches[:2]) == pytest.approx(info.head_search["loss_after"], rel=1e-5)
-    assert bench.head_loss(qmodel, batches[2:]) != pytest.approx(info.head_search["loss_after"], rel=1e-3)
-    assert not qmodel.training and not qmodel.model[-1].training
-
-
-def test_qat_step_table_per_mode(yolov9_tree, tmp_path):
-    """benchmarks/qat_step.py on the CPU at a tiny size: a row per model with each mode timed and counted, the
-    speed-ups eager's time over each mode's, json and md written."""
+def test_cost_step_mode_table_per_implementation(yolov9_tree, tmp_path):
+    """benchmarks/cost.py --mode step on the CPU at a tiny size: a row per model with each implementation timed and
+    counted, the speed-ups eager's time over each implementation's, json and md written."""
     import json
 
     import yaml
@@ -82,16 +44,16 @@ def test_qat_step_table_per_mode(yolov9_tree, tmp_path):
     tiny = tmp_path / "tiny.yaml"
     tiny.write_text(yaml.safe_dump(TINY_GELAN))
     out = tmp_path / "out"
-    doc = _main(yolov9_tree, "qat_step", "--cfg", str(tiny), "--imgsz", "32", "--batch-size", "2", "--steps", "2",
-                "--warmup", "1", "--impl", "eager", "graph", "--out", str(out))
-    assert json.loads((out / "qat_step.json").read_text()) == doc
+    doc = _cost(yolov9_tree, "--mode", "step", "--models", str(tiny), "--imgsz", "32", "--batch-size", "2",
+                "--steps", "2", "--warmup", "1", "--impl", "eager", "graph", "--out", str(out), "--tag", "test")
+    assert json.loads((out / "qat-step-test.json").read_text()) == doc
     (row,) = doc["rows"]
     assert row["model"] == "tiny" and row["quantizers"] > 0 and "triton" not in row
     for mode in ("eager", "graph"):
         assert 0 < row[mode]["seconds_per_step"] < 60 and row[mode]["aten_ops"] > 100
         assert row[mode]["gpu_kernels"] is None and row[mode]["gpu_ms"] is None  # no GPU here
     assert row["speedup_graph"] == round(row["eager"]["seconds_per_step"] / row["graph"]["seconds_per_step"], 3)
-    md = (out / "qat_step.md").read_text()
+    md = (out / "qat-step-test.md").read_text()
     assert "| eager s/step |" in md and "| graph GPU ms |" in md and "| speed-up graph |" in md
     assert md.count("| tiny |") == 1
 
@@ -139,6 +101,8 @@ def test_cost_table_times_fp_and_qat_on_the_same_batches(yolov9_tree, small_data
     (["--warmup", "0"], "--warmup 0 is out of range"),
     (["--synthetic", "--loader-batches", "5"], "--synthetic has none"),
     (["--models", "gelan-x"], "gelan-x.yaml not found"),
+    (["--mode", "step"], "--mode step runs on one random batch: drop --data"),
+    (["--mode", "fp16"], "--mode fp16 scores a quantized checkpoint's two graphs: pass --weights"),
 ])
 def test_cost_refuses_bad_flags_in_one_sentence(yolov9_tree, small_data, tmp_path, argv, says):
     from utils.qat.core.errors import QATError
@@ -348,7 +312,7 @@ def test_ptq_spread_groups_the_committed_runs(tmp_path):
 
     bench = _module("ptq_spread")
     logs = REPO / "benchmarks" / "results" / "ptq-spread-h200" / "logs"
-    result = bench.main([str(logs), "--out", str(tmp_path), "--label", "s"])
+    result = bench.main(bench.get_args_parser().parse_args([str(logs), "--out", str(tmp_path), "--label", "s"]))
     t = result["yolov9-t-coco"]
     assert set(t) == {"mse, head searched", "mse, head searched, layers 0-5 searched"}
     searched = t["mse, head searched, layers 0-5 searched"]

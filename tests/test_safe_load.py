@@ -223,9 +223,7 @@ COMMANDS = {
     "export_qat.py": ("export_qat.py", "--weights W --imgsz 64"),
     "export_yoloV9.py": ("export_yoloV9.py", "--weights W --size 64"),
     "reparameterization.py": ("reparameterization.py", "--weights W --model c --save converted.pt"),
-    "benchmarks/quantizer_sensitivity.py": ("quantizer_sensitivity", "--weights W --data D --out bench --device cpu"),
-    "benchmarks/qat_recipes.py": ("qat_recipes", "--weights W --data D --out bench --device cpu --recipes head:lr=1e-5"),
-    "benchmarks/autocast.py": ("autocast", "--weights W --data D --out bench"),
+    "benchmarks/cost.py --mode fp16": ("cost", "--mode fp16 --weights W --data D --out bench"),
     "benchmarks/reference.py": ("reference", "--weights W --data D --out bench --stages fp --device cpu"),
 }
 
@@ -359,7 +357,7 @@ FAMILIES = {"qat.py": ("os.system in alone", ["qat.py", "eval", "--device", "cpu
             "export_qat.py": ("os.system in opt", ["export_qat.py", "--imgsz", "64"]),
             "export_yoloV9.py": ("builtins.eval in opt", ["export_yoloV9.py", "--size", "64"]),
             "reparameterization.py": ("subprocess.Popen in opt", ["reparameterization.py", "--model", "c"]),
-            "benchmarks": ("builtins.eval in modelopt state", [str(REPO / "benchmarks" / "autocast.py")])}
+            "benchmarks": ("builtins.eval in modelopt state", [str(REPO / "benchmarks" / "cost.py"), "--mode", "fp16"])}
 
 
 @pytest.mark.slow
@@ -544,7 +542,7 @@ def test_code_in_a_quantized_checkpoints_yaml_never_runs(yolov9_tree, code_in_ya
         assert code.startswith(f"{where} ") and "__import__('os').system('touch " in code, code
         for command in COMMANDS:
             message = command_error(yolov9_tree, command, path, small_data, tmp_path)
-            if command in ("qat.py eval", "export_qat.py", "export_yoloV9.py", "benchmarks/autocast.py"):
+            if command in ("qat.py eval", "export_qat.py", "export_yoloV9.py", "benchmarks/cost.py --mode fp16"):
                 assert message == (f"{path} was not loaded: its model yaml has {code}, which building the model "
                                    f"would run as Python code; if you trust the file, pass --trust-weights to build "
                                    f"it anyway."), (command, message)
