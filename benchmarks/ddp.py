@@ -1,5 +1,7 @@
-"""Multi-GPU QAT against one GPU: the same ``qat.py quantize`` for the same global batch, run once in one
-process and once under ``torch.distributed.run`` with ``--nproc`` processes. Writes ddp.json and ddp.md
+"""Multi-GPU QAT against one GPU: speed-up per epoch, and whether N processes calibrate and train as one does.
+
+The same ``qat.py quantize`` for the same global batch, run once in one process and once under
+``torch.distributed.run`` with ``--nproc`` processes. Writes ddp.json and ddp.md
 into --out and prints the table: QAT seconds per epoch and the speed-up, calibration seconds, loss and AP
 per epoch, and the largest amax differences (N processes vs one, and between the ranks of the N-process
 run, from the YOLOV9_QAT_AMAX_DUMP files every rank writes after calibration).

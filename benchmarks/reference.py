@@ -1,6 +1,8 @@
-"""Reference results: FP, PTQ (each calibration method), QAT (default, and with the most sensitive
-layer kept FP), INT8 ONNX Runtime evaluation of the exported QAT model, the Q/DQ lint, and the time
-of every stage. Writes results.json, results.md and results.png into --out.
+"""The reference side by side: one model's table as the reference's README lays it out, from the library in-process.
+
+FP, PTQ (each calibration method), QAT (default, and with the most sensitive layer kept FP), INT8 ONNX Runtime
+evaluation of the exported QAT model, the Q/DQ lint, and the time of every stage. Writes results.json, results.md
+and results.png into --out.
 
 Run from the top of a patched YOLOv9 tree:
 
