@@ -21,7 +21,7 @@
                         would stop TensorRT from fusing Q/DQ are printed and make the exit status non-zero.
 --openvino-avx2         also W-avx2.onnx (W-end2end-avx2.onnx): the Q/DQ graph re-encoded for OpenVINO on x86
                         CPUs without VNNI or AMX, where the TensorRT graph's INT8 outputs are wrong (7-bit
-                        weights, uint8 activations: utils/qat/onnx/avx2.py; README "Deploying on CPUs").
+                        weights, uint8 activations: utils/qat/onnx/avx2.py; docs/CPU.md).
 --onnxruntime-cpu [W]   also W-ort.onnx (W-end2end-ort.onnx): the Q/DQ graph re-placed so that ONNX Runtime's CPU
                         provider fuses its SiLU convolutions into INT8 kernels (a Q/DQ pair added on their
                         outputs; utils/qat/onnx/ort_cpu.py); weights uint8 (default: computed as written on
@@ -67,7 +67,7 @@ def get_args_parser() -> argparse.ArgumentParser:
                    help="Q/DQ lint of the result, non-zero exit on findings (default: on for quantized checkpoints)")
     p.add_argument("--openvino-avx2", action="store_true",
                    help="also write W-avx2.onnx, re-encoded for OpenVINO on x86 CPUs without VNNI or AMX (7-bit "
-                        "weights, uint8 activations; costs some accuracy: README 'Deploying on CPUs')")
+                        "weights, uint8 activations; costs some accuracy: docs/CPU.md)")
     p.add_argument("--onnxruntime-cpu", nargs="?", const="uint8", default=None, choices=("uint8", "7bit"),
                    metavar="WEIGHTS", help="also write W-ort.onnx, re-placed for ONNX Runtime's CPU kernels; "
                                            "WEIGHTS: uint8 (default, as written on every CPU) or 7bit (faster "

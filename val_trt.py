@@ -109,7 +109,8 @@ def main(args: argparse.Namespace) -> dict:
     if backend.imgsz is not None and max(backend.imgsz) != imgsz:
         print(f"notice: {source.name} has a fixed input of {backend.imgsz[0]}x{backend.imgsz[1]}; evaluating at that "
               f"size instead of --imgsz {imgsz}.")
-    if backend.imgsz is not None:  # docs/QAT.md "A real COCO model": 0.4026 rect against 0.3998 square, one checkpoint
+    # docs/QAT_RECIPE.md "A real COCO model": 0.4026 rect against 0.3998 square, one checkpoint
+    if backend.imgsz is not None:
         print(f"notice: {source.name} has a fixed input size, so every image is letterboxed into "
               f"{backend.imgsz[0]}x{backend.imgsz[1]}, where qat.py eval (as upstream's val.py) scores rectangular "
               f"batches: the two scores differ by that alone; export with --dynamic to compare with the checkpoint.")

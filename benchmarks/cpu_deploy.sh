@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# README's "Deploying on CPUs" table in one command: GELAN-C (c) and YOLOv9-t (t) from ../shared/weights, each
-# calibrated on coco369 and exported FP32 and INT8, their mAP on coco334 on ONNX Runtime and OpenVINO, and their
+# The tables of docs/CPU.md ("Deploying on CPUs") in one command: GELAN-C (c) and YOLOv9-t (t) from ../shared/weights,
+# each calibrated on coco369 and exported FP32 and INT8, their mAP on coco334 on ONNX Runtime and OpenVINO, and their
 # CPU speed (benchmarks/cpu_deploy.py). Writes OUT/cpu-deploy.json, .md and .png (and the graphs in OUT/c, OUT/t).
 #
 #   YOLOV9_DIR=/path/to/yolov9 benchmarks/cpu_deploy.sh OUT [more benchmarks/cpu_deploy.py flags]

@@ -72,7 +72,8 @@ DATA=$WORK/shapes/shapes.yaml
 cd "$TREE"
 say "4/6 PTQ calibration + QAT ($EPOCHS epoch(s) x $ITERS batches) of the embedded model, evaluated at each stage"
 # The default recipe (augmentation, mse calibration, head scales searched, learned scales) cut to a CPU's budget: 8
-# calibration batches instead of 25 and $EPOCHS x $ITERS steps instead of 5 x 100 (docs/QAT.md, "The quickstart").
+# calibration batches instead of 25 and $EPOCHS x $ITERS steps instead of 5 x 100 (docs/QAT_CALIBRATION.md,
+# "The quickstart").
 "$PY" qat.py quantize --weights "$WEIGHTS" --data "$DATA" \
     --imgsz $IMGSZ --batch-size 16 --device "$DEVICE" --workers 2 --calib-batches 8 \
     --epochs "$EPOCHS" --iters "$ITERS" --project "$WORK/runs" --name quickstart --exist-ok

@@ -1,4 +1,4 @@
-"""The library parts of the benchmark scripts (their GPU runs are what docs/QAT.md reports)."""
+"""The library parts of the benchmark scripts (their GPU runs are what docs/RESULTS.md and docs/QAT_*.md report)."""
 from __future__ import annotations
 
 import importlib.util

@@ -34,7 +34,7 @@ def test_entropy_amax_is_modelopts_on_synthetic_histograms(yolov9_tree, seed):
 @pytest.mark.slow  # modelopt's own method takes 1-2 s per quantizer on 2 cores: about 9 of GELAN-QS's, spread over the model
 def test_entropy_amax_is_modelopts_on_real_activations(yolov9_tree, shared):
     """Histogram quantizers of GELAN-QS on 4 real images, every k-th from the first to the last (every one of
-    GELAN-C's 195 matched modelopt exactly when compared once, docs/QAT.md): within one bin of modelopt."""
+    GELAN-C's 195 matched modelopt exactly when compared once, docs/QAT_FINETUNING.md): within one bin of modelopt."""
     from modelopt.torch.quantization.calib import HistogramCalibrator
 
     from utils.qat.model import checkpoint

@@ -61,7 +61,8 @@ def _val(tree: Path, onnx_path: Path, backend: str, data: Path, out: Path) -> di
 def test_val_trt_openvino_scores_the_quickstart_graphs(yolov9_tree, openvino, graphs, shapes, tmp_path):
     """The CLI as users run it on the INT8 graph (a subprocess), then both graphs in-process against ONNX Runtime:
     the FP32 graph scores the same on both runtimes; the INT8 graph within 0.01, where their last-bit differences
-    move this small model at 256 px (README, 'The quickstart'), on a CPU that computes 8-bit dot products exactly.
+    move this small model at 256 px (docs/RESULTS.md, 'The quickstart'), on a CPU that computes 8-bit dot products
+    exactly.
     Elsewhere (OpenVINO's INT8 convolutions saturate without VNNI, test_openvino_int8_convolution_is_exact_only_with_vnni;
     a quantized concatenation comes out wrong on an AMD EPYC with VNNI) the probe says so and so does the command.
     """
@@ -301,8 +302,8 @@ def test_openvino_avx2_graph_runs_as_written_on_any_cpu(yolov9_tree, openvino, g
     """``export_qat.py --openvino-avx2`` (utils/qat/onnx/avx2.py) writes W-avx2.onnx beside the TensorRT graph:
     weights on 7 bits (the scale doubled, each value within one 8-bit step), activation Q/DQ as uint8 around 128
     (the same grid). OpenVINO scores it like ONNX Runtime scores the TensorRT graph on any CPU, without VNNI too,
-    where it scores the TensorRT graph's INT8 near 0 (README "Deploying on CPUs"), and says nothing about those CPUs
-    for it. An FP checkpoint is refused before anything is written."""
+    where it scores the TensorRT graph's INT8 near 0 (docs/CPU.md "Deploying on CPUs"), and says nothing about those
+    CPUs for it. An FP checkpoint is refused before anything is written."""
     import shutil
 
     import numpy as np

@@ -482,7 +482,7 @@ def test_mse_amax_on_a_grown_histogram(yolov9_tree):
 
 def test_mse_image_weighs_every_image_alike(yolov9_tree):
     """``mse-image``: on images of one scale it finds the pooled MSE clipping value; when one image of 16 runs 100x
-    above the rest (as on GELAN-QS-seg, docs/QAT.md "GELAN-C run to run, and what limits GELAN-QS-seg"), the pooled search hands that image the scale,
+    above the rest (as on GELAN-QS-seg, docs/QAT_FINETUNING.md "GELAN-C run to run, and what limits GELAN-QS-seg"), the pooled search hands that image the scale,
     the image-weighted one stays many times below it."""
     from modelopt.torch.quantization.calib import HistogramCalibrator
     from modelopt.torch.quantization.config import QuantizerAttributeConfig

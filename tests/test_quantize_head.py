@@ -192,7 +192,7 @@ def test_search_layers_run_the_network_from_the_searched_layer(calibrated, image
 
 def test_search_layers_auto_searches_detection_bodies_on_a_gpu_only():
     """``--search-layers auto`` (the default) is ``0-5`` for detection calibrated on a GPU, with the lower rate
-    measured with it (docs/QAT.md 'The search as the default on a GPU'); none on a CPU or for segmentation; each
+    measured with it (docs/QAT_RECIPE.md 'The search as the default on a GPU'); none on a CPU or for segmentation; each
     choice said in a sentence naming the flag that changes it. Layers or ``none`` given are taken as given."""
     from utils.qat.quantize.config import parse_layers, resolve_lr, resolve_search
     text, said = resolve_search("auto", "detect", "cuda")

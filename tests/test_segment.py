@@ -166,7 +166,7 @@ def seg_run(yolov9_tree, seg_shapes, tmp_path_factory):
 
 def test_calibration_default_follows_the_task(yolov9_tree):
     """qat.py calibrates with mse and segment/qat_seg.py with mse-image unless --calib-method says otherwise
-    (docs/QAT.md "`mse-image` on the GPU, and the calibration default per task": the defaults measured best per task)."""
+    (docs/QAT_CALIBRATION.md "`mse-image` on the GPU, and the calibration default per task": the defaults measured best per task)."""
     import importlib
     for module, default in (("qat", "mse"), ("segment.qat_seg", "mse-image")):
         parser = importlib.import_module(module).get_args_parser()
@@ -242,8 +242,8 @@ def test_qat_seg_eval_save_json(yolov9_tree, seg_shapes, tmp_path):
 @pytest.mark.e2e
 def test_qat_seg_export_and_onnxruntime(yolov9_tree, seg_shapes, seg_run, tmp_path):
     """The quantized segmentation model exports with a clean lint; ONNX Runtime's box and mask mAP stay near
-    the fake-quant numbers (INT8 rounding ties differ between the two, see README), and the End2End graph
-    (--nms onnx, det_masks) scores its boxes like the plain graph."""
+    the fake-quant numbers (INT8 rounding ties differ between the two, see docs/QAT_RECIPE.md "Every recipe
+    measured"), and the End2End graph (--nms onnx, det_masks) scores its boxes like the plain graph."""
     run, _ = seg_run
     report = run / "report.json"
     qat = json.loads(report.read_text())["models"][2]

@@ -5,7 +5,7 @@
 On such CPUs (AVX2 alone: AMD up to Zen 3, Intel before Cascade Lake and Ice Lake) OpenVINO's INT8 convolutions
 multiply unsigned 8-bit activations by signed 8-bit weights and add each pair of products into a 16-bit sum
 (``vpmaddubsw``), which saturates: the graph export_qat.py writes for TensorRT then scores mAP50-95 near 0 there
-(README "Deploying on CPUs"). Two changes give a graph those kernels compute as written:
+(docs/CPU.md, "Deploying on CPUs"). Two changes give a graph those kernels compute as written:
 
 - every weight on 7 bits: ``q7 = round(q / 2)`` clipped to [-63, 63] and its scale doubled (the same values to
   within one 8-bit step), so that a pair of products stays below 2^15 (2 x 255 x 63 = 32130);
@@ -13,8 +13,8 @@ multiply unsigned 8-bit activations by signed 8-bit weights and add each pair of
   activations the result on these CPUs was wrong past a Concat that feeds a convolution (YOLOv9-t's first ELAN1),
   7-bit weights or not; as uint8 it matches ONNX Runtime to rounding flips.
 
-The first halves the weights' resolution, which QAT did not see: it costs accuracy (measured in README "Deploying
-on CPUs"). The TensorRT graph is left as it is; this is a second file for those CPUs.
+The first halves the weights' resolution, which QAT did not see: it costs accuracy (measured in docs/CPU.md).
+The TensorRT graph is left as it is; this is a second file for those CPUs.
 """
 from __future__ import annotations
 

@@ -15,21 +15,21 @@ from utils.qat.core.errors import QATError
 
 CALIB_METHODS = ("max", "percentile", "mse", "entropy", "mse-image")  # mse-image: every image weighs alike
 DEFAULT_CALIB_METHOD = "mse"  # detection models
-# Per task, as measured (docs/QAT.md "`mse-image` on the GPU, and the calibration default per task"): mse-image keeps
-# the shapes segmentation set's few outlier images from stretching the scales (QAT mask 0.8239 / 0.8230 against
-# 0.8064 from mse); on the three detection models mse calibrates higher (PTQ +0.0003 to +0.0017) and GELAN-C ends
-# higher from it.
+# Per task, as measured (docs/QAT_CALIBRATION.md "`mse-image` on the GPU, and the calibration default per task"):
+# mse-image keeps the shapes segmentation set's few outlier images from stretching the scales (QAT mask 0.8239 /
+# 0.8230 against 0.8064 from mse); on the three detection models mse calibrates higher (PTQ +0.0003 to +0.0017) and
+# GELAN-C ends higher from it.
 DEFAULT_CALIB_METHODS = {"detect": DEFAULT_CALIB_METHOD, "segment": "mse-image"}
 DEFAULT_PERCENTILE = 99.99
 HEAD_AMAX = ("calibrated", "search")  # the detect head's input scales: as calibrated, or searched (head.py)
-# GELAN-C and GELAN-S end best from the searched scales (docs/QAT.md "The head's scales searched, then QAT")
+# GELAN-C and GELAN-S end best from the searched scales (docs/QAT_CALIBRATION.md "The head's scales searched, then QAT")
 DEFAULT_HEAD_AMAX = "search"
 TIES = ("max", "mse")  # one amax for a shared-scale group: its members' largest, or the group's least squared error
 DEFAULT_TIE = "max"
 DEFAULT_HEAD_BATCHES = 4  # calibration batches the head search scores each candidate on
 
 # ``--search-layers auto`` (the default): detection models calibrated on a GPU search their first layers' scales and
-# fine-tune at SEARCHED_LR, measured so (docs/QAT.md "The search as the default on a GPU"): on YOLOv9-t, every
+# fine-tune at SEARCHED_LR, measured so (docs/QAT_RECIPE.md "The search as the default on a GPU"): on YOLOv9-t, every
 # searched calibration scored above every one without the search (PTQ 0.4009-0.4044 against 0.3992-0.3999), and its
 # epochs and graphs met FP - 0.001 / 0.002; the memorised GELAN-C calibrates to the same mean with it and GELAN-S
 # fine-tunes level. On a CPU the search costs minutes (the quickstart model: 239 s of a 284 s calibration), and

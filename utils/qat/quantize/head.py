@@ -5,7 +5,7 @@
     result = search_head_amax(qmodel, batches, groups, layers=(2, 3))  # layers 2 and 3 first, then the head
 
 Calibration gives every activation quantizer the amax that minimises that tensor's own error. On GELAN-C
-the head's input quantizers carry about three quarters of the INT8 loss (docs/QAT.md "Where the INT8 loss sits, and the evaluation with TF32 off"), and
+the head's input quantizers carry about three quarters of the INT8 loss (docs/QAT_FINETUNING.md "Where the INT8 loss sits, and the evaluation with TF32 off"), and
 what matters there is the error of the head's outputs, not of its inputs. This search keeps the network
 before the head as calibrated, runs it once per batch (quantized, and with every quantizer off: the FP
 reference), and then tries multiples of each head input quantizer's amax in turn (coordinate descent in
@@ -20,7 +20,7 @@ Body layers (``layers``: indices of ``model.model``) are searched the same way b
 each candidate scored by the whole network's run to the same loss (the FP head's outputs cached once), with wider
 multiples (:data:`BODY_FACTORS`): calibration picks each scale by the error of its own tensor, and on a small
 model trained on COCO (YOLOv9-t) the mse scales of the early layers clip tails that the detections need
-(docs/QAT.md "A real COCO model: YOLOv9-t").
+(docs/QAT_RECIPE.md "A real COCO model: YOLOv9-t").
 
 On a GPU each candidate's run is replayed from a CUDA graph (``ValueGraph``, ``utils/qat/quantize/cuda_graph.py``),
 recorded again whenever the body search moves on to a later layer: the same losses, in every bit, as running it

@@ -7,7 +7,7 @@
 
 A pooled histogram (modelopt's, behind ``mse``) counts every value once. An image whose activations run 100x
 above the rest then holds most of the squared error, and the MSE search hands it the scale at the expense of
-every other image's resolution (docs/QAT.md "GELAN-C run to run, and what limits GELAN-QS-seg": GELAN-QS-seg). Here each image's values are weighted
+every other image's resolution (docs/QAT_FINETUNING.md "GELAN-C run to run, and what limits GELAN-QS-seg": GELAN-QS-seg). Here each image's values are weighted
 by the inverse of that image's energy at the quantizer (the sum of x^2), so the search minimises the sum over
 images of each image's relative quantization error. Bins are logarithmic, ``PER_DECADE`` per decade from 1e-6
 to 1e6: the same relative resolution at every scale, finer than an INT8 step below the clipping value.
