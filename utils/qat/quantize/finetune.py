@@ -32,9 +32,9 @@ POSTFIX_EVERY = 10  # steps between the progress bar's loss updates (each one re
 
 @dataclass
 class QATConfig:
-    """How fine-tuning runs. The defaults are the recipe measured best (docs/QAT.md: ``benchmarks/qat_recipes.py``
-    and ``benchmarks/reference.py`` on GELAN-C and GELAN-S, with upstream's augmentation: ``qat.py``'s ``--hyp``
-    default for detection)."""
+    """How fine-tuning runs. The defaults are the recipe measured best (docs/QAT_FINETUNING.md:
+    ``benchmarks/qat_recipes.py``, removed, in commit 1392fea, and ``benchmarks/reference.py`` on GELAN-C and GELAN-S,
+    with upstream's augmentation: ``qat.py``'s ``--hyp`` default for detection)."""
     epochs: int = 5
     iters: int = 100  # optimisation steps per epoch
     lr: float = 3e-5
@@ -52,8 +52,8 @@ class QATConfig:
     amax_lr: float = 1e-3  # learn activation amax (LSQ) at this rate relative to each amax; 0: calibrated amax kept
     bias_lr: float = 1.0  # the biases' learning rate is lr times this
     box_gain: float = 1.0  # weight of the head objective's box term (head.box)
-    # weight of its masks term (head.masks: segmentation heads only; docs/QAT.md "The shapes models to the end,
-    # and the mask term's weight")
+    # weight of its masks term (head.masks: segmentation heads only; docs/QAT_FINETUNING.md "The shapes models to the
+    # end, and the mask term's weight")
     mask_gain: float = 5.0
     # on CUDA, replay each step's forward and backward from a CUDA graph (utils/qat/quantize/cuda_graph.py says
     # when it stays eager); the results are the eager step's, bit for bit
@@ -218,7 +218,7 @@ def finetune(model: nn.Module, teacher: nn.Module, batches: Callable[[], Iterabl
 
 class QATStep:
     """One optimisation step of fine-tuning, with everything it needs built once (optimiser, schedule, scaler,
-    learned amax, EMA, taps): ``finetune`` loops over it, ``benchmarks/qat_step.py`` times it.
+    learned amax, EMA, taps): ``finetune`` loops over it, ``benchmarks/cost.py --mode step`` times it.
 
         step = QATStep(qmodel, teacher, batches, QATConfig(), device="cuda:0")
         step.train()
