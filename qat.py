@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING  # noqa: E402
 from utils.qat.core import distributed, provenance, validate  # noqa: E402
 from utils.qat.model import checkpoint  # noqa: E402
 from utils.qat.run import reports  # noqa: E402
-from utils.qat.evaluation.data import DEFAULT_HYPS, NO_HYP, data_argument, hyp_argument, load_data_yaml, load_hyp  # noqa: E402
+from utils.qat.evaluation.data import (DEFAULT_HYPS, NO_HYP, data_argument, holdout_images, hyp_argument,  # noqa: E402
+                                       load_data_yaml, load_hyp)
 from utils.qat.core.device import select_device  # noqa: E402
 from utils.qat.core.errors import QATError, run_cli  # noqa: E402
 from utils.qat.model.safe_load import add_trust_flag  # noqa: E402
@@ -51,12 +52,12 @@ def _calibration(p: argparse.ArgumentParser, task: str) -> None:
     p.add_argument("--calib-method", choices=CALIB_METHODS, default=DEFAULT_CALIB_METHODS[task],
                    help="activation calibration (weights are always per-channel max; default: %(default)s). mse-image "
                         "runs the MSE search with every image weighted alike, so a few images with far larger "
-                        "activations cannot stretch the scales (the segmentation default; docs/QAT.md '`mse-image` on "
+                        "activations cannot stretch the scales (the segmentation default; docs/QAT_CALIBRATION.md '`mse-image` on "
                         "the GPU, and the calibration default per task')")
     p.add_argument("--percentile", type=float, default=DEFAULT_PERCENTILE, help="for --calib-method percentile")
     p.add_argument("--calib-batches", type=int, default=25,
                    help="calibration batches: the first N of the training split, unaugmented (a few images with far "
-                        "larger activations than the rest can cost more than they teach: docs/QAT.md 'GELAN-C run to "
+                        "larger activations than the rest can cost more than they teach: docs/QAT_FINETUNING.md 'GELAN-C run to "
                         "run, and what limits GELAN-QS-seg')")
     p.add_argument("--head-amax", choices=HEAD_AMAX, default=DEFAULT_HEAD_AMAX,
                    help="the detect head's input scales: as calibrated, or searched after calibration for the "
@@ -69,7 +70,7 @@ def _calibration(p: argparse.ArgumentParser, task: str) -> None:
                         "calibration like the head's, each candidate scored through the whole network on "
                         "--head-batches batches (a whole forward pass per candidate: 14-23 s for layers 0-5 on an "
                         "H100 or H200, minutes on a CPU). auto (the default): 0-5 for detection on a GPU, none on a "
-                        "CPU and for segmentation; the log says which (docs/QAT.md 'The search as the default on a "
+                        "CPU and for segmentation; the log says which (docs/QAT_RECIPE.md 'The search as the default on a "
                         "GPU')")
     p.add_argument("--tie", choices=TIES, default=DEFAULT_TIE,
                    help="the one scale of tensors TensorRT needs on one scale (a Concat's inputs, MaxPool): max = "
@@ -77,7 +78,7 @@ def _calibration(p: argparse.ArgumentParser, task: str) -> None:
                         "(histogram methods; default: %(default)s)")
     p.add_argument("--seed", type=int, default=57,
                    help="seeds the fine-tuning: the order of the training images and the random streams of their "
-                        "augmentation (runs with the same seed and --workers repeat; docs/QAT.md 'GELAN-C run to run, "
+                        "augmentation (runs with the same seed and --workers repeat; docs/QAT_FINETUNING.md 'GELAN-C run to run, "
                         "and what limits GELAN-QS-seg')")
 
 
@@ -124,6 +125,24 @@ def _finetuning(p: argparse.ArgumentParser) -> None:
                         "replay a CUDA graph recorded at the first step (same results, a fraction of the CPU time)")
 
 
+def _budget(p: argparse.ArgumentParser) -> None:
+    from utils.qat.run.budget import DEFAULT_HOLDOUT, DEFAULT_MIN_INT8
+    p.add_argument("--max-drop", type=float, default=None, metavar="D",
+                   help="an accuracy budget: mAP50-95 at most D below the FP model on training images held out from "
+                        "calibration and fine-tuning; the run escalates only as far as it needs (calibration, other "
+                        "calibrations and the layer search, layers kept in FP, fine-tuning) and writes the result as "
+                        "qat_best (docs/BUDGET.md). Left out: the plain recipe")
+    p.add_argument("--holdout-fraction", type=float, default=DEFAULT_HOLDOUT,
+                   help="--max-drop: the share of the training images held out to decide on (default: %(default)s; "
+                        "never evaluation images)")
+    p.add_argument("--min-int8", type=float, default=DEFAULT_MIN_INT8,
+                   help="--max-drop: the share of convolutions that must stay INT8 when layers are kept in FP "
+                        "(default: %(default)s; 1 keeps every layer INT8)")
+    p.add_argument("--strict", action="store_true",
+                   help="--max-drop: a budget not met ends the command with an error (the closest model is written "
+                        "all the same)")
+
+
 def qat_config(args) -> QATConfig:
     """The fine-tuning settings of a ``quantize`` command line."""
     from utils.qat.quantize.finetune import QATConfig
@@ -155,6 +174,7 @@ def get_args_parser(task: str = "detect", prog: str = "qat.py", description: str
                         "(default: %(default)s, as measured for this task in docs/QAT.md)")
     _finetuning(q)
     q.add_argument("--skip-layers", default="", help="keep in FP: layer indices and/or module patterns, comma separated")
+    _budget(q)
     q.add_argument("--no-eval-origin", action="store_true", help="do not evaluate the FP model")
     q.add_argument("--no-eval-ptq", action="store_true", help="do not evaluate the calibrated (PTQ) model")
     q.add_argument("--ptq-only", action="store_true", help="stop after calibration (no fine-tuning)")
@@ -243,6 +263,8 @@ def _quantize(args, device, launch) -> Path | None:
         fp_patterns(fp, list(config.skip))  # --skip-layers and --search-layers: before any evaluation
         check_layers(fp, config.search_layers)
         data = _data(args, ("train", "val"))
+        if args.max_drop is not None:
+            holdout_images(data, args.holdout_fraction)  # a split leaving a side empty: refused before any work
         args.hyp, hyp = hyp_argument(args.hyp, args.task)
         args.imgsz = validate.check_imgsz(args.imgsz, int(fp.stride.max()))
     recorder = None
@@ -252,10 +274,21 @@ def _quantize(args, device, launch) -> Path | None:
                                title=f"yolov9-qat: {Path(args.weights).name} on {Path(args.data).name} at {args.imgsz}px",
                                world_size=launch.world_size if launch else 1,
                                eval_origin=not args.no_eval_origin, eval_ptq=not args.no_eval_ptq)
-    qat(fp, data, config, None if args.ptq_only else qat_config(args), imgsz=args.imgsz,
-        batch_size=args.batch_size, device=device, hyp=hyp, calib_batches=args.calib_batches, workers=args.workers,
-        task=args.task, seed=args.seed, world_size=launch.world_size if launch else 1,
-        local_rank=launch.local_rank if launch else -1, recorder=recorder)
+    stages = dict(imgsz=args.imgsz, batch_size=args.batch_size, device=device, hyp=hyp,
+                  calib_batches=args.calib_batches, workers=args.workers, task=args.task, seed=args.seed,
+                  world_size=launch.world_size if launch else 1, local_rank=launch.local_rank if launch else -1,
+                  recorder=recorder)
+    finetuning = None if args.ptq_only else qat_config(args)
+    if args.max_drop is None:
+        qat(fp, data, config, finetuning, **stages)
+        return recorder.out if recorder else None
+    from utils.qat.run import budget
+    limits = budget.Budget(max_drop=args.max_drop, holdout_fraction=args.holdout_fraction, min_int8=args.min_int8,
+                           strict=args.strict)
+    _, _, summary = budget.to_budget(fp, data, config, finetuning, limits, score=_score(args, data, device), **stages)
+    if recorder:
+        recorder.finish()
+    budget.check(summary, str(recorder.best_path) if recorder else "qat_best", limits.strict)
     return recorder.out if recorder else None
 
 

@@ -335,3 +335,27 @@ def test_same_on_every_rank_without_a_group():
         with same_on_every_rank():
             raise QATError("bad")
     assert e.value.every_rank is None  # outside a group: every rank's by construction (run_cli)
+
+
+# ---- the accuracy budget on 2 processes ------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_budget_on_two_processes(yolov9_tree, shapes, tmp_path):
+    """qat.py quantize --max-drop under torchrun: rank 0 scores the held-out images and decides, the other rank
+    follows into the same calibrations and fine-tuning epochs (a rank that went another way would hang a collective
+    and fail the timeout); rank 0 alone writes the run, its budget in report.json. At 64 px with an impossible
+    budget every step runs: the three other calibrations, no layer in FP (--min-int8 1), two epochs."""
+    r = run_tool(yolov9_tree, *TORCHRUN, *_quantize_args(
+        shapes, tmp_path, "budget", "--calib-method", "max", "--head-amax", "calibrated", "--calib-batches", "1",
+        "--epochs", "2", "--iters", "2", "--max-drop", "0", "--min-int8", "1", "--holdout-fraction", "0.4"),
+        timeout=2 * TIMEOUT, env={"OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["budget"]
+    report = json.loads((tmp_path / "budget" / "report.json").read_text())
+    budget = report["budget"]
+    assert report["world_size"] == 2 and budget["holdout"]["holdout_images"] == 6
+    steps = [s["step"] for s in budget["steps"]]
+    assert steps[:4] == [1, 2, 2, 2] and steps[4:] == [4, 4], budget["steps"]  # here every step runs, fine-tuning too
+    assert r.stdout.count("budget step 1 (calibration)") == 1  # rank 0 alone prints
+    assert (tmp_path / "budget" / "weights" / "qat_best_gelan-qs-shapes.pt").is_file()

@@ -17,10 +17,11 @@ DEFAULT_DATA = "data/coco.yaml"  # --data when left out: the tree's COCO yaml, a
 HYPS = "data/hyps"
 NO_HYP = "none"  # --hyp none: fine-tune on the images as they are
 # The augmentation of the fine-tuning images per task, as measured. Detection: upstream's hyp.scratch-high, with which
-# every detection default was measured (GELAN-C, GELAN-S, GELAN-QS: docs/QAT.md "The head's scales searched, then
-# QAT"). Segmentation: none, since on GELAN-QS-seg the masks ended lower with it (0.8036 against 0.8064) and the
-# segmentation default was measured without it (docs/QAT.md "The shapes models to the end, and the mask term's weight"
-# and "`mse-image` on the GPU, and the calibration default per task"). Segmentation on natural images is unmeasured.
+# every detection default was measured (GELAN-C, GELAN-S, GELAN-QS: docs/QAT_CALIBRATION.md "The head's scales
+# searched, then QAT"). Segmentation: none, since on GELAN-QS-seg the masks ended lower with it (0.8036 against 0.8064)
+# and the segmentation default was measured without it (docs/QAT_FINETUNING.md "The shapes models to the end, and the
+# mask term's weight", and docs/QAT_CALIBRATION.md "`mse-image` on the GPU, and the calibration default per task").
+# Segmentation on natural images is unmeasured.
 DEFAULT_HYPS: dict[str, str | None] = {"detect": f"{HYPS}/hyp.scratch-high.yaml", "segment": None}
 
 
@@ -282,3 +283,46 @@ def labelled(loader, device):
     the instance masks (else None), as the loss functions of upstream's train.py take them."""
     for im, targets, _paths, _shapes, *masks in loader:
         yield im.to(device, non_blocking=True).float() / 255, targets, masks[0] if masks else None
+
+
+def _split_images(data: dict, split: str) -> list[str]:
+    entries = data[split] if isinstance(data[split], list) else [data[split]]
+    return [str(Path(p).resolve()) for entry in entries for p in _images(Path(entry))]
+
+
+def holdout_images(data: dict, fraction: float) -> tuple[list[str], list[str], int]:
+    """The training images split for the accuracy budget: ``(fit, held_out, shared)``. ``held_out`` is ``fraction``
+    of the training images that are not evaluation images, spread evenly over them in path order (every k-th), so
+    the split is the same on every rank and in every run; ``fit`` is the rest of the training images, which
+    calibrate and fine-tune; ``shared``: how many training images are evaluation images too (never held out).
+    A split that leaves either side empty is a QATError saying what to change."""
+    train, evaluation = _split_images(data, "train"), set(_split_images(data, "val"))
+    shared = sum(p in evaluation for p in train)
+    candidates = sorted(p for p in train if p not in evaluation)
+    n = round(fraction * len(candidates))
+    if len(candidates) < 2 or n < 1 or n >= len(candidates):
+        also = f" ({shared} of its {len(train)} training images are evaluation images too)" if shared else ""
+        raise QATError(f"--holdout-fraction {fraction:g} of the {len(candidates)} training images of "
+                       f"{data.get('yaml_file', 'the dataset')} that are not evaluation images{also} leaves "
+                       f"{n} to hold out and {len(candidates) - n} to train on; the budget needs both, so pass a "
+                       "dataset with more training images, or another --holdout-fraction.")
+    step = len(candidates) / n
+    picked = {candidates[int(i * step + step / 2)] for i in range(n)}
+    return [p for p in train if p not in picked], [p for p in candidates if p in picked], shared
+
+
+def holdout_split(data: dict, fraction: float, folder: str | os.PathLike) -> tuple[dict, dict, dict]:
+    """:func:`holdout_images` written as upstream's image lists, ``folder/fit.txt`` and ``folder/holdout.txt``.
+    Returns ``(fit_data, holdout_data, record)``: ``data`` with ``train`` (the fit images) or ``val`` (the held-out
+    ones) pointing at the lists, and what the split was."""
+    fit, held, shared = holdout_images(data, fraction)
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    lists = {}
+    for name, images in (("fit", fit), ("holdout", held)):
+        lists[name] = folder / f"{name}.txt"
+        lists[name].write_text("\n".join(images) + "\n")
+    record = {"fraction": fraction, "holdout_images": len(held), "fit_images": len(fit),
+              "evaluation_images_in_train": shared,
+              "rule": "every k-th training image in path order, evaluation images excluded"}
+    return {**data, "train": str(lists["fit"])}, {**data, "val": str(lists["holdout"])}, record

@@ -160,7 +160,8 @@ def finetune(model: nn.Module, teacher: nn.Module, batches: Callable[[], Iterabl
              on_epoch_start: Callable[[int], None] | None = None,
              on_epoch_end: Callable[[EpochResult], None] | None = None,
              scale_groups: list[list[str]] | None = None,
-             on_step: Callable[[int], None] | None = None) -> list[EpochResult]:
+             on_step: Callable[[int], None] | None = None,
+             until: Callable[[], bool] | None = None) -> list[EpochResult]:
     """Fine-tune the fake-quantized ``model`` towards ``teacher`` (and/or the labels) per ``config``.
 
     Optimiser over every trainable parameter, and with ``config.amax_lr`` the activation amax too
@@ -168,7 +169,9 @@ def finetune(model: nn.Module, teacher: nn.Module, batches: Callable[[], Iterabl
     batch when not given); linear warm-up then cosine decay, AMP on CUDA by default. ``hyp``: upstream hyp yaml
     values for the ``task`` objective's loss gains. ``on_epoch_start(epoch)`` runs before every epoch (e.g. a
     sampler's ``set_epoch``), ``on_epoch_end`` after every epoch (evaluate, save), ``on_step(step)`` after every
-    optimisation step, counted over all epochs (``benchmarks/cost.py`` times the steps with it).
+    optimisation step, counted over all epochs (``benchmarks/cost.py`` times the steps with it). ``until()`` runs on
+    every rank after ``on_epoch_end``, with the evaluated weights in place; True ends fine-tuning there (the
+    accuracy budget stops when its held-out score stops improving: ``utils/qat/run/budget.py``).
 
     In a multi-GPU run (process group joined) every rank calls this with its own shard of each global batch
     and its own copy of the teacher. The student is wrapped in DistributedDataParallel, which averages the
@@ -211,6 +214,8 @@ def finetune(model: nn.Module, teacher: nn.Module, batches: Callable[[], Iterabl
                 if on_epoch_end is not None and distributed.is_main():
                     on_epoch_end(result)
                 distributed.barrier()
+                if until is not None and until():
+                    break
     finally:
         step.close()
     return results

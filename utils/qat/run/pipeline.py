@@ -95,10 +95,12 @@ def _dump_amax(qmodel: nn.Module) -> None:
 def finetune_stage(qmodel: nn.Module, fp_model: nn.Module, info: QuantInfo, data: dict, config: QATConfig, *,
                    imgsz: int, batch_size: int, device: torch.device, hyp: dict | None = None, workers: int = 8,
                    task: str = "detect", world_size: int = 1, local_rank: int = -1, seed: int | None = None,
-                   on_epoch_end: Callable[[EpochResult], None] | None = None) -> list[EpochResult]:
+                   on_epoch_end: Callable[[EpochResult], None] | None = None,
+                   until: Callable[[], bool] | None = None) -> list[EpochResult]:
     """QAT fine-tuning of the calibrated ``qmodel`` towards ``fp_model`` (and/or the labels) on the training
     split (upstream's augmentation per ``hyp``; ``seed``: its order and augmentation). ``batch_size`` is the global
-    batch: each of ``world_size`` processes reads its share (``local_rank`` >= 0, DistributedSampler)."""
+    batch: each of ``world_size`` processes reads its share (``local_rank`` >= 0, DistributedSampler).
+    ``on_epoch_end`` / ``until``: as ``finetune`` takes them."""
     from utils.qat.quantize.objectives import needs_labels
     from utils.qat.quantize.model_quant import fused_copy
     from utils.qat.quantize.finetune import finetune
@@ -109,7 +111,7 @@ def finetune_stage(qmodel: nn.Module, fp_model: nn.Module, info: QuantInfo, data
     teacher = fused_copy(fp_model, device)  # folded where the student was (model_quant.fused_copy says why)
     return finetune(qmodel, teacher, lambda: (labelled if labels else images_only)(loader, device), config,
                     device=device, hyp=hyp, on_epoch_start=loader.sampler.set_epoch if local_rank >= 0 else None,
-                    on_epoch_end=on_epoch_end, scale_groups=info.scale_groups)
+                    on_epoch_end=on_epoch_end, until=until, scale_groups=info.scale_groups)
 
 
 def qat(fp_model: nn.Module, data: dict, quant: QuantConfig, config: QATConfig | None, *, imgsz: int,

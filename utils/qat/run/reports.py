@@ -130,14 +130,39 @@ def deltas(rows: list[dict], reference: str = "Origin") -> list[dict]:
     return out
 
 
-def comparison_markdown(rows: list[dict], title: str, selection: dict | None = None) -> str:
+def comparison_markdown(rows: list[dict], title: str, selection: dict | None = None, budget: dict | None = None) -> str:
     parts = [f"# {title}", "", "## Evaluation results", "", table(rows)]
     diff = deltas(rows)
     if diff:
         parts += ["", "## Evaluation comparison", "", table(diff, first="Comparison")]
     if selection:
         parts += ["", "## Selection", "", SELECTION_NOTE, "", selection_table(selection)]
+    if budget:
+        parts += ["", "## Accuracy budget", "", BUDGET_NOTE, "", budget_table(budget)]
     return "\n".join(parts) + "\n"
+
+
+BUDGET_NOTE = ("Every step was decided on the held-out training images alone; the evaluation images were scored for "
+               "this report only, on the steps kept.")
+
+
+def budget_table(budget: dict) -> str:
+    """report.md's table of the accuracy budget's steps (``utils/qat/run/budget.py``), then its outcome."""
+    fp = budget["fp_holdout_AP"]
+    lines = [f"Budget: mAP50-95 at most {budget['max_drop']:g} below FP ({fp:.4f}) on "
+             f"{budget['holdout']['holdout_images']} held-out training images.", "",
+             "| Step | kind | tried | held-out AP | vs FP | kept | evaluation AP |", "|" + "---|" * 7]
+    for s in budget["steps"]:
+        kept = "met" if s.get("met") else "yes" if s["kept"] else "no"
+        lines.append(f"| {s['step']} | {s['kind']} | {s['tried']} | {s['holdout_AP']:.4f} | {s['holdout_AP'] - fp:+.4f} "
+                     f"| {kept} | {_cell(s.get('evaluation_AP'))} |")
+    if "met" in budget:
+        layers = ", ".join(map(str, budget["fp_layers"])) or "none"
+        lines += ["", f"{'Met' if budget['met'] else 'Not met'}: held-out {budget['holdout_AP']:.4f} "
+                      f"({-budget['drop']:+.4f}); evaluation {_cell(budget.get('evaluation_AP'))}; calibration "
+                      f"{budget['calibration']}; layers in FP: {layers}; {budget['int8_convs']} of {budget['convs']} "
+                      f"convolutions INT8 ({budget['int8_share']:.1%}); {budget['seconds']:.0f} s."]
+    return "\n".join(lines)
 
 
 #: How the evaluation images are halved (``evaluate.half_of``), as report.json's ``selection`` states it.
@@ -210,7 +235,7 @@ def write_report(run_dir: Path, rows: list[dict], epochs: list[dict], title: str
     (e.g. world_size, calibration_seconds, ``selection``) goes into report.json beside the models and epochs."""
     run_dir = Path(run_dir)
     write_text(run_dir / "report.json", json.dumps({"title": title, **meta, "models": rows, "epochs": epochs}, indent=2))
-    write_text(run_dir / "report.md", comparison_markdown(rows, title, meta.get("selection")))
+    write_text(run_dir / "report.md", comparison_markdown(rows, title, meta.get("selection"), meta.get("budget")))
     if epochs:
         plot_epochs(run_dir / "qat_ap.png", epochs, rows)
 

@@ -123,6 +123,34 @@ class RunRecorder:
             copy_file(path, self.best_path)
         self.save_report()
 
+    # ---- the accuracy budget (utils/qat/run/budget.py) ----
+
+    def holdout_lists(self, folder: str | Path) -> None:
+        """Keep the budget's image lists (``fit.txt``: calibration and fine-tuning; ``holdout.txt``: its decisions)
+        in the run folder, ``holdout/``."""
+        for name in ("fit.txt", "holdout.txt"):
+            copy_file(Path(folder) / name, self.out / "holdout" / name)
+
+    def score_only(self, model: nn.Module, desc: str) -> float:
+        """The AP of ``model`` on the evaluation images, for the report alone (no row, no checkpoint)."""
+        m, _ = self.score(model, desc)
+        return m.mAP50_95
+
+    def budget_progress(self, summary: dict) -> None:
+        self.meta["budget"] = summary
+        self.save_report()
+
+    def budget_result(self, qmodel: nn.Module, info: QuantInfo, summary: dict) -> None:
+        """The model the budget ended with: scored on the evaluation images, saved as ``qat_best``."""
+        m, sec = self.score(qmodel, "INT8 (budget)")
+        row = reports.entry("Budget", self.best_path, m, sec, calib_method=info.config.method,
+                            fp_layers=summary.get("fp_layers", []), int8_share=summary.get("int8_share"))
+        self._save(self.best_path, qmodel, info, None, row)
+        self.rows.append(row)
+        summary["evaluation_AP"] = row["AP"]
+        self.budget_progress(summary)
+        print(f"budget model saved to {self.best_path}")
+
     def finish(self) -> Path:
         if self.finetuned:
             if self.best_row is not None:
@@ -137,5 +165,8 @@ class RunRecorder:
         if self.meta.get("selection"):
             print()
             print(reports.selection_table(self.meta["selection"]))
+        if self.meta.get("budget"):
+            print()
+            print(reports.budget_table(self.meta["budget"]))
         print(f"\nresults in {self.out}: report.md, report.json{', qat_ap.png' if self.epochs else ''}, weights/")
         return self.out

@@ -1,0 +1,205 @@
+"""The accuracy budget (``qat.py quantize --max-drop``, utils/qat/run/budget.py) on the embedded shapes models: the
+held-out split, a budget met at the first step, one met only by keeping a layer in FP, one met by fine-tuning, one
+that cannot be met (its sentence, and ``--strict``), segmentation, and the flags' checks. Calibration is ``max`` on
+one batch with the head's scales as calibrated, the cheapest on a CPU; step 2's calibrations are left out where a test
+is about a later step (``Budget(calibrations=())``), since each costs a minute there."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, cli_error, run_main
+
+QS = REPO / "weights" / "gelan-qs-shapes.pt"
+SEG = REPO / "weights" / "gelan-qs-seg-shapes.pt"
+CHEAP = ("--calib-method", "max", "--head-amax", "calibrated", "--calib-batches", "1")
+
+
+def _shapes(root: Path, task: str, train: int) -> Path:
+    subprocess.run([sys.executable, str(REPO / "scripts" / "make_shapes_dataset.py"), "--out", str(root),
+                    "--train", str(train), "--val", "16", "--imgsz", "256", "--task", task, "--jobs", "2"],
+                   check=True, capture_output=True)
+    return root / "shapes.yaml"
+
+
+@pytest.fixture(scope="module")
+def shapes40(tmp_path_factory) -> Path:
+    """40 training images (8 held out by default) and 16 evaluation images at 256 px."""
+    return _shapes(tmp_path_factory.mktemp("budget") / "shapes", "detect", 40)
+
+
+def _data(yaml_path: Path) -> dict:
+    from utils.qat.evaluation.data import load_data_yaml
+    return load_data_yaml(yaml_path, splits=("train", "val"))
+
+
+def _to_budget(yolov9_tree, shapes40, budget, finetune=None, calib_batches=1):
+    """``to_budget`` on the quickstart model, as qat.py calls it (no recorder: no run folder)."""
+    from utils.qat.model import checkpoint
+    from utils.qat.quantize.config import QuantConfig
+    from utils.qat.run.budget import to_budget
+    from utils.qat.run.pipeline import Evaluation
+    fp = checkpoint.load_fp(QS)
+    data, device = _data(shapes40), torch.device("cpu")
+    score = Evaluation(data, imgsz=256, batch_size=8, device=device, workers=2)
+    return to_budget(fp, data, QuantConfig(method="max", head_amax="calibrated"), finetune, budget, score=score,
+                     imgsz=256, batch_size=8, device=device, calib_batches=calib_batches, workers=2, seed=57)
+
+
+def _heldout_ap(model, shapes40, fraction=0.2) -> float:
+    """The model scored on the budget's held-out images, independently of the run."""
+    from utils.qat.evaluation.data import holdout_split
+    from utils.qat.run.pipeline import Evaluation
+    import tempfile
+    with tempfile.TemporaryDirectory() as lists:
+        _, held, _ = holdout_split(_data(shapes40), fraction, lists)
+        m, _ = Evaluation(held, imgsz=256, batch_size=8, device=torch.device("cpu"), workers=2)(model, "check")
+    return m.mAP50_95
+
+
+# ---- the held-out split ---------------------------------------------------------------------------------
+
+def test_holdout_never_takes_evaluation_images(yolov9_tree, shapes40, tmp_path):
+    """Training images that are also evaluation images are never held out; the split is every k-th image in path
+    order, the same each time; fit and held-out together are the training set; too small a split is refused."""
+    from utils.qat.core.errors import QATError
+    from utils.qat.evaluation.data import holdout_images, holdout_split
+    data = _data(shapes40)
+    train = sorted(str(p.resolve()) for p in Path(data["train"]).iterdir())
+    shared = train[::5]  # 8 training images evaluated too, as when a yaml names one folder for both
+    val_list = tmp_path / "val.txt"
+    val_list.write_text("\n".join(shared + sorted(str(p.resolve()) for p in Path(data["val"]).iterdir())) + "\n")
+    overlapping = {**data, "val": str(val_list)}
+    fit, held, n_shared = holdout_images(overlapping, 0.25)
+    assert n_shared == len(shared) == 8
+    assert not set(held) & set(shared) and len(held) == round(0.25 * (40 - 8)) == 8
+    assert sorted(fit + held) == train and not set(fit) & set(held)
+    assert holdout_images(overlapping, 0.25) == (fit, held, n_shared)
+    fit_data, held_data, record = holdout_split(overlapping, 0.25, tmp_path / "lists")
+    assert Path(held_data["val"]).read_text().split() == held and Path(fit_data["train"]).read_text().split() == fit
+    assert record["evaluation_images_in_train"] == 8 and fit_data["val"] == overlapping["val"]
+    with pytest.raises(QATError) as e:
+        holdout_images(overlapping, 0.01)
+    assert "--holdout-fraction 0.01 of the 32 training images" in str(e.value) and "evaluation images too" in str(e.value)
+
+
+# ---- the steps ------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_budget_met_at_the_first_step(yolov9_tree, shapes40, tmp_path, capsys):
+    """A generous budget stops at calibration: no other calibration, no layer in FP, no fine-tuning; the model is
+    qat_best, the report holds the step with its held-out and evaluation figures, and the held-out list written to
+    the run folder shares no image with the evaluation set."""
+    run = run_main(yolov9_tree, "qat.py", "quantize", "--weights", str(QS), "--data", str(shapes40), "--imgsz", "256",
+                   "--batch-size", "8", "--workers", "2", "--device", "cpu", *CHEAP, "--epochs", "1", "--iters", "2",
+                   "--max-drop", "0.5", "--project", str(tmp_path), "--name", "met")
+    out = capsys.readouterr().out
+    report = json.loads((run / "report.json").read_text())
+    budget = report["budget"]
+    assert [s["step"] for s in budget["steps"]] == [1] and budget["met"] and budget["steps"][0]["met"]
+    assert budget["fp_layers"] == [] and budget["int8_share"] > 0.99
+    assert budget["steps"][0]["evaluation_AP"] == next(m["AP"] for m in report["models"] if m["name"] == "PTQ")
+    assert [m["name"] for m in report["models"]] == ["Origin", "PTQ", "Budget"] and not report["epochs"]
+    weights = sorted(p.name for p in (run / "weights").iterdir())
+    assert weights == [f"ptq_ap_{report['models'][1]['AP']:.4f}_gelan-qs-shapes.pt", "qat_best_gelan-qs-shapes.pt"]
+    held = set((run / "holdout" / "holdout.txt").read_text().split())
+    evaluation = {str(p.resolve()) for p in (shapes40.parent / "images" / "val").iterdir()}
+    assert len(held) == 8 and not held & evaluation
+    assert "budget step 1 (calibration): max, no search: held-out mAP50-95" in out and "within the budget" in out
+    assert "of 143 convolutions INT8" in out and "## Accuracy budget" in (run / "report.md").read_text()
+
+
+@pytest.mark.slow
+def test_budget_keeps_a_layer_in_fp_when_calibration_falls_short(yolov9_tree, shapes40, tmp_path):
+    """Calibration misses a tight budget; keeping one layer in FP meets it. The layer is recorded as --skip-layers
+    would record it, survives a checkpoint, and the export's Q/DQ lint accepts it."""
+    from utils.qat.model import checkpoint
+    from utils.qat.run.budget import Budget, conv_counts
+    qmodel, info, summary = _to_budget(yolov9_tree, shapes40, Budget(max_drop=0.001, calibrations=()))
+    first, *rest = summary["steps"]
+    assert first["step"] == 1 and first["drop"] > 0.001 and not first["met"], first  # the premise: calibration falls short
+    assert summary["met"] and len(summary["fp_layers"]) == 1, summary
+    layer = summary["fp_layers"][0]
+    assert [s["step"] for s in rest] == [3] and rest[0]["kept"] and rest[0]["met"]
+    assert rest[0]["ranking"][0]["layer"] == layer and "score" not in rest[0]["ranking"][0]
+    assert info.config.skip == (str(layer),) and f"model.{layer}." in info.fp_patterns
+    int8, total = conv_counts(qmodel)
+    assert summary["int8_convs"] == int8 < total and int8 >= 0.9 * total
+    assert abs(_heldout_ap(qmodel, shapes40) - summary["holdout_AP"]) < 1e-4  # what was recorded is what is returned
+    path = checkpoint.save_quantized(tmp_path / "budget.pt", qmodel, info)
+    restored, restored_info, _ = checkpoint.load_quantized(path)
+    assert not any(q.is_enabled for q in restored.model[layer].modules() if hasattr(q, "is_enabled"))
+    assert conv_counts(restored) == (int8, total) and restored_info.fp_patterns == info.fp_patterns
+    run_main(yolov9_tree, "export_qat.py", "--weights", str(path), "--include", "onnx", "--imgsz", "256")
+    assert path.with_suffix(".onnx").is_file()
+
+
+@pytest.mark.slow
+def test_budget_fine_tunes_when_nothing_else_may(yolov9_tree, shapes40):
+    """With no other calibration and every layer INT8, fine-tuning is the step left: each epoch is scored on the
+    held-out images, and the model returned is the best epoch's (or the calibrated one, if no epoch beat it)."""
+    from utils.qat.quantize.finetune import QATConfig
+    from utils.qat.run.budget import Budget
+    qmodel, _, summary = _to_budget(yolov9_tree, shapes40, Budget(max_drop=0.0, min_int8=1.0, calibrations=()),
+                                    finetune=QATConfig(epochs=3, iters=3, warmup=2))
+    epochs = [s for s in summary["steps"] if s["kind"] == "fine-tuning"]
+    assert [s["step"] for s in summary["steps"]][:1] == [1] and epochs, summary["steps"]
+    assert all(s["tried"].endswith(f"at lr {3e-5:g}") or s["tried"].endswith(f"at lr {1e-5:g}") for s in epochs)
+    best = max(s["holdout_AP"] for s in summary["steps"] if s["kept"])
+    assert summary["holdout_AP"] == best and summary["int8_share"] > 0.99
+    assert abs(_heldout_ap(qmodel, shapes40) - best) < 1e-4
+    if summary["met"]:
+        assert epochs[-1]["met"]  # it stopped at the epoch that met the budget
+
+
+@pytest.mark.slow
+def test_budget_that_cannot_be_met_says_so(yolov9_tree, shapes40, capsys):
+    """No step left that could help (every layer INT8, no fine-tuning, no other calibration): one sentence with the
+    closest result and what to change, a notice by default and an error with --strict."""
+    from utils.qat.core.errors import QATError
+    from utils.qat.run.budget import Budget, check
+    _, _, summary = _to_budget(yolov9_tree, shapes40, Budget(max_drop=0.0, min_int8=1.0, calibrations=()))
+    assert not summary["met"] and summary["drop"] > 0 and summary["fp_layers"] == []
+    check(summary, "runs/qat/exp/weights/qat_best_x.pt", strict=False)
+    notice = capsys.readouterr().out
+    assert "notice: the accuracy budget was not met: the closest model scores" in notice
+    with pytest.raises(QATError) as e:
+        check(summary, "runs/qat/exp/weights/qat_best_x.pt", strict=True)
+    sentence = str(e.value)
+    assert "\n" not in sentence and f"{summary['drop']:.4f} below FP against --max-drop 0" in sentence
+    assert "no layer kept in FP" in sentence and "saved as runs/qat/exp/weights/qat_best_x.pt" in sentence
+    assert "pass a larger --max-drop, a lower --min-int8" in sentence
+
+
+@pytest.mark.slow
+def test_budget_for_segmentation(yolov9_tree, tmp_path_factory):
+    """segment/qat_seg.py takes the same budget, decided on the held-out images' mask mAP."""
+    data = _shapes(tmp_path_factory.mktemp("budget-seg") / "shapes", "segment", 40)
+    project = tmp_path_factory.mktemp("runs")
+    run = run_main(yolov9_tree, "segment/qat_seg.py", "quantize", "--weights", str(SEG), "--data", str(data),
+                   "--imgsz", "256", "--batch-size", "8", "--workers", "2", "--device", "cpu", *CHEAP,
+                   "--epochs", "1", "--iters", "2", "--max-drop", "0.5", "--project", str(project), "--name", "seg")
+    report = json.loads((run / "report.json").read_text())
+    assert report["budget"]["met"] and [s["step"] for s in report["budget"]["steps"]] == [1]
+    row = next(m for m in report["models"] if m["name"] == "Budget")
+    assert row["AP"] == row["Mask"]["mAP50-95"] and (run / "weights" / "qat_best_gelan-qs-seg-shapes.pt").is_file()
+
+
+# ---- the flags --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, says", [
+    (("--max-drop", "-0.1"), "--max-drop -0.1 is out of range: it must be between 0 and 1"),
+    (("--max-drop", "0.01", "--holdout-fraction", "1"), "--holdout-fraction 1 is out of range: it must be greater "
+                                                        "than 0 and less than 1"),
+    (("--max-drop", "0.01", "--min-int8", "1.5"), "--min-int8 1.5 is out of range: it must be between 0 and 1"),
+    (("--max-drop", "0.01", "--holdout-fraction", "0.01"), "leaves 0 to hold out and 40 to train on"),
+])
+def test_budget_flags_refused_in_one_sentence(yolov9_tree, shapes40, tmp_path, argv, says):
+    msg = cli_error(yolov9_tree, "qat.py", "quantize", "--weights", str(QS), "--data", str(shapes40), "--device", "cpu",
+                    "--project", str(tmp_path), *argv)
+    assert says in msg, msg
+    assert not any(tmp_path.iterdir())  # refused before any run folder was made

@@ -1,0 +1,372 @@
+"""Quantize to an accuracy budget (``qat.py quantize --max-drop D``): escalate only as far as the budget needs, every
+decision made on training images held out from calibration and fine-tuning, never on the evaluation images.
+
+    qmodel, info, summary = to_budget(fp, data, QuantConfig(), QATConfig(), Budget(max_drop=0.005), score=score,
+                                      imgsz=640, batch_size=16, device=device, recorder=recorder)
+
+The steps, in order of cost; each ends the escalation once the held-out mAP50-95 is within ``max_drop`` of the FP
+model's on the same images:
+
+1. calibration as the command's flags say;
+2. the other calibrations (:func:`calibrations`: methods, and on a GPU for detection the body search on and off), the
+   best held-out score kept;
+3. layers kept in floating point: every quantized layer of ``model.model`` with its quantizers off in turn, the one
+   that gives back most kept, then the others measured again, while at least ``min_int8`` of the convolutions stay
+   INT8;
+4. fine-tuning at the command's rate, then at a third of it if the first gave nothing; each rate stops when an
+   epoch does not raise the held-out score (``patience``), and the best epoch's weights are kept.
+
+The evaluation images are scored only for the report (``recorder``, rank 0): the FP model, step 1's model (the PTQ
+row) and every kept step, beside their held-out scores, so a reader sees whether the two agree. In a multi-GPU run
+every rank runs the same steps; rank 0 scores and decides, and its decisions reach the others
+(``distributed.broadcast_object``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn as nn
+
+from utils.qat.core import distributed
+from utils.qat.core.errors import QATError
+from utils.qat.evaluation.data import holdout_split
+from utils.qat.quantize.config import AUTO_SEARCH, DEFAULT_CALIB_METHODS, QuantConfig, parse_layers
+from utils.qat.run import reports
+from utils.qat.run.pipeline import Evaluation, finetune_stage, ptq
+
+if TYPE_CHECKING:
+    from utils.qat.quantize.config import QuantInfo
+    from utils.qat.quantize.finetune import EpochResult, QATConfig
+    from utils.qat.run.run_record import RunRecorder
+
+DEFAULT_HOLDOUT = 0.2  # of the training images: enough to rank settings, most left to calibrate and fine-tune
+# The budget keeps layers in FP only while this share of the convolutions stays INT8: past it, the engine's speed
+# is no longer INT8's.
+DEFAULT_MIN_INT8 = 0.9
+# The calibrations step 2 tries besides the command's own: the task's default, and the percentile calibration that
+# keeps long activation tails (on the COCO YOLOv9-t the best without the search: docs/QAT_RECIPE.md "A real COCO model").
+ALTERNATIVES = (("default", None), ("percentile", 99.999), ("percentile", 99.99))
+RATES = (1.0, 1 / 3)  # step 4: multiples of the fine-tuning rate, tried in turn while a rate gives nothing
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The accuracy budget: ``max_drop`` (mAP50-95 points below the FP model, on the held-out images), the share of
+    the training images held out (``holdout_fraction``), the share of convolutions that must stay INT8
+    (``min_int8``; 1 keeps no layer in FP), the epochs without a held-out gain that end a rate (``patience``),
+    and ``strict``: a budget not met ends the command with an error (the closest model is written all the same)."""
+    max_drop: float
+    holdout_fraction: float = DEFAULT_HOLDOUT
+    min_int8: float = DEFAULT_MIN_INT8
+    patience: int = 2
+    strict: bool = False
+    calibrations: tuple[QuantConfig, ...] | None = None  # step 2's candidates; None: :func:`calibrations`'
+
+
+def calibrations(first: QuantConfig, task: str, device_type: str) -> list[QuantConfig]:
+    """Step 2's candidates: :data:`ALTERNATIVES`' methods, each with the body search on and off where the search
+    is measured (detection on a GPU; on a CPU it costs minutes) and as ``first`` has it elsewhere; ``first``
+    itself left out."""
+    searches = [first.search_layers]
+    if task == "detect" and device_type == "cuda":
+        searches = [parse_layers(AUTO_SEARCH), ()]
+    out: list[QuantConfig] = []
+    for method, percentile in ALTERNATIVES:
+        method = DEFAULT_CALIB_METHODS[task] if method == "default" else method
+        for layers in searches:
+            config = dataclasses.replace(first, method=method, percentile=percentile or first.percentile,
+                                         search_layers=layers)
+            if _describe(config) != _describe(first) and config not in out:
+                out.append(config)
+    return out
+
+
+def _describe(config: QuantConfig) -> str:
+    method = f"percentile {config.percentile:g}" if config.method == "percentile" else config.method
+    layers = config.search_layers
+    search = f"layers {layers[0]}-{layers[-1]} searched" if layers and list(layers) == list(
+        range(layers[0], layers[-1] + 1)) else f"layers {','.join(map(str, layers))} searched" if layers else "no search"
+    return f"{method}, {search}"
+
+
+def conv_counts(model: nn.Module) -> tuple[int, int]:
+    """``(int8, total)``: the model's convolutions, and those whose weights are quantized."""
+    convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
+    int8 = [m for m in convs if getattr(getattr(m, "weight_quantizer", None), "is_enabled", False)]
+    return len(int8), len(convs)
+
+
+def _layer_quantizers(model: nn.Module, index: int) -> list:
+    from utils.qat.quantize.state import enabled_quantizers
+    return enabled_quantizers(model.model[index])
+
+
+def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _main_decides(decide: Callable[[], Any]) -> Any:
+    """``decide()`` on rank 0 (it scores, so it runs there alone), its result on every rank."""
+    return distributed.broadcast_object(decide() if distributed.is_main() else None)
+
+
+class _HeldOut:
+    """Scores a model on the held-out images (rank 0): the AP every decision is made on; ``halves`` keeps the last
+    evaluation's AP on each half of those images (``reports.halves``), which says how far so few images can be
+    trusted."""
+
+    def __init__(self, score: Evaluation):
+        self.score = score
+        self.halves: dict[str, float] = {}
+
+    def __call__(self, model: nn.Module, desc: str) -> float:
+        m, _ = self.score(model, f"held-out: {desc}")
+        self.halves = reports.halves(m)
+        return m.mAP50_95
+
+
+class _Log:
+    """The budget's record: one line printed per step (rank 0), and the steps as report.json keeps them."""
+
+    def __init__(self, budget: Budget, fp_holdout: float, split: dict, recorder: RunRecorder | None,
+                 heldout: _HeldOut):
+        self.budget, self.fp, self.recorder, self.heldout = budget, fp_holdout, recorder, heldout
+        self.target = fp_holdout - budget.max_drop
+        self.steps: list[dict] = []
+        self.fp_halves = dict(heldout.halves)  # the FP model was the last one scored
+        self.summary: dict = {"max_drop": budget.max_drop, "min_int8": budget.min_int8, "holdout": split,
+                              "fp_holdout_AP": round(fp_holdout, 4), "fp_holdout_halves": self.fp_halves,
+                              "steps": self.steps}
+
+    def spread(self, halves: dict[str, float]) -> float | None:
+        """How differently the two halves of the held-out images see a model's drop from FP."""
+        if not halves or not self.fp_halves:
+            return None
+        drops = [self.fp_halves[h] - halves[h] for h in sorted(halves)]
+        return round(abs(drops[0] - drops[-1]), 4)
+
+    def met(self, ap: float) -> bool:
+        return ap >= self.target - 1e-9
+
+    def step(self, number: int, kind: str, tried: str, ap: float, kept: bool, model: nn.Module | None = None,
+             **extra) -> None:
+        """Record one step (rank 0). A kept step's model is scored on the evaluation images too, for the report."""
+        if not distributed.is_main():
+            return
+        record = {"step": number, "kind": kind, "tried": tried, "holdout_AP": round(ap, 4),
+                  "drop": round(self.fp - ap, 4), "kept": kept, "met": kept and self.met(ap),
+                  "holdout_halves": dict(self.heldout.halves), **extra}
+        if kept:
+            self.summary["holdout_spread"] = self.spread(self.heldout.halves)
+        if kept and model is not None and self.recorder is not None:
+            record["evaluation_AP"] = round(self.recorder.score_only(model, f"budget step {number}: {tried}"), 4)
+        self.steps.append(record)
+        verdict = "kept, within the budget" if record["met"] else "kept" if kept else "not kept"
+        print(f"budget step {number} ({kind}): {tried}: held-out mAP50-95 {ap:.4f} ({ap - self.fp:+.4f} against FP "
+              f"{self.fp:.4f}, budget -{self.budget.max_drop:g}): {verdict}", flush=True)
+        if self.recorder is not None:
+            self.recorder.budget_progress(self.summary)
+
+
+def to_budget(fp_model: nn.Module, data: dict, quant: QuantConfig, config: QATConfig | None, budget: Budget, *,
+              score: Evaluation, imgsz: int, batch_size: int, device: torch.device, hyp: dict | None = None,
+              calib_batches: int = 25, workers: int = 8, task: str = "detect", seed: int | None = None,
+              world_size: int = 1, local_rank: int = -1,
+              recorder: RunRecorder | None = None) -> tuple[nn.Module, QuantInfo, dict]:
+    """The budget's escalation (the module's docstring has its steps). ``data``: the dataset (its ``train`` images
+    are split, its ``val`` images scored only for the report); ``quant`` / ``config``: the command's calibration and
+    fine-tuning (None: no fine-tuning step, ``--ptq-only``); ``score``: how the evaluation images are scored (the
+    held-out images are scored the same way). Returns the model the budget ended with, its record and the budget's
+    summary (also in report.json as ``budget``, with the model written as ``qat_best`` by ``recorder``)."""
+    if seed is not None:
+        from utils.general import init_seeds
+        init_seeds(seed)
+    start = time.time()
+    with tempfile.TemporaryDirectory(prefix="yolov9-qat-holdout-") as lists:
+        fit, held, split = holdout_split(data, budget.holdout_fraction, lists)
+        if recorder is not None:
+            recorder.holdout_lists(lists)
+            recorder.origin(fp_model)
+        ap = _HeldOut(dataclasses.replace(score, data=held, loaders={}))
+        fp_ap = _main_decides(lambda: ap(fp_model, "FP"))
+        log = _Log(budget, fp_ap, split, recorder, ap)
+        if distributed.is_main():
+            print(f"budget: held out {split['holdout_images']} of the training images ({budget.holdout_fraction:g}), "
+                  f"FP mAP50-95 {fp_ap:.4f} on them; the INT8 model must score {log.target:.4f} or more there "
+                  f"(--max-drop {budget.max_drop:g})", flush=True)
+
+        def calibrated(cfg: QuantConfig) -> tuple[nn.Module, QuantInfo]:
+            return ptq(fp_model, fit, cfg, imgsz=imgsz, batch_size=batch_size, device=device,
+                       calib_batches=calib_batches, workers=workers)
+
+        # 1. calibration as the command says
+        began = time.time()
+        qmodel, info = calibrated(quant)
+        if recorder is not None:
+            recorder.ptq(qmodel, info, calibration_seconds=time.time() - began, finetuning=False)
+        current = _main_decides(lambda: ap(qmodel, "calibration"))
+        log.step(1, "calibration", _describe(quant), current, True, None,
+                 evaluation_AP=None if recorder is None or recorder.ptq_ap is None else round(recorder.ptq_ap, 4))
+
+        # 2. the other calibrations, the best held-out score kept
+        if not log.met(current):
+            tried = calibrations(quant, task, device.type) if budget.calibrations is None else budget.calibrations
+            for cfg in tried:
+                candidate, candidate_info = calibrated(cfg)
+                got = _main_decides(lambda: ap(candidate, _describe(cfg)))
+                kept = got > current
+                log.step(2, "calibration", _describe(cfg), got, kept, candidate if kept else None)
+                if kept:
+                    qmodel, info, current = candidate, candidate_info, got
+                if log.met(current):
+                    break
+
+        # 3. layers kept in floating point, the most helpful first, measured again after each
+        fp_layers: list[int] = []
+        while not log.met(current):
+            ranking = _main_decides(lambda: _fp_ranking(qmodel, fp_layers, budget.min_int8, ap))
+            if not ranking:
+                break
+            top = ranking[0]
+            if top["holdout_AP"] <= round(current, 4):
+                log.step(3, "FP layer", f"layer {top['layer']} ({top['module']}) in FP, the best of "
+                         f"{len(ranking)} layers", top["holdout_AP"], False, ranking=ranking[:5])
+                break
+            for q in _layer_quantizers(qmodel, top["layer"]):
+                q.disable()  # for good: this layer stays in floating point
+            fp_layers.append(top["layer"])
+            current = _main_decides(lambda: ap(qmodel, f"layers {', '.join(map(str, fp_layers))} in FP"))
+            log.step(3, "FP layer", f"layer {top['layer']} ({top['module']}) in FP", current, True, qmodel,
+                     ranking=[{k: v for k, v in r.items() if k != "score"} for r in ranking[:5]])
+        if fp_layers:
+            info = _with_fp_layers(qmodel, info, fp_layers)
+
+        # 4. fine-tuning at the rates that hold
+        if config is not None and not log.met(current):
+            qmodel, current = _finetune(qmodel, fp_model, info, fit, config, log, ap, current, imgsz=imgsz,
+                                        batch_size=batch_size, device=device, hyp=hyp, workers=workers, task=task,
+                                        world_size=world_size, local_rank=local_rank, seed=seed)
+
+        int8, total = conv_counts(qmodel)
+        log.summary.update(met=log.met(current), holdout_AP=round(current, 4), drop=round(fp_ap - current, 4),
+                           fp_layers=fp_layers, calibration=_describe(info.config), int8_convs=int8, convs=total,
+                           int8_share=round(int8 / max(total, 1), 4), seconds=round(time.time() - start, 1))
+        if recorder is not None:
+            recorder.budget_result(qmodel, info, log.summary)
+        return qmodel, info, log.summary
+
+
+def _module(model: nn.Module, index: int) -> str:
+    return type(model.model[index]).__name__.removeprefix("Quant")
+
+
+def _fp_ranking(qmodel: nn.Module, fp_layers: list[int], min_int8: float,
+                ap: Callable[[nn.Module, str], float]) -> list[dict]:
+    """Rank 0: every layer that can still go to FP (quantizers on, and without it at least ``min_int8`` of the
+    convolutions stay INT8), scored with its quantizers off; best first (empty: no layer may go)."""
+    from utils.qat.quantize.state import quantizers_off
+    int8, total = conv_counts(qmodel)
+    ranking = []
+    for i, layer in enumerate(qmodel.model):
+        quantizers = _layer_quantizers(qmodel, i)
+        convs = sum(1 for m in layer.modules() if isinstance(m, nn.Conv2d)
+                    and getattr(getattr(m, "weight_quantizer", None), "is_enabled", False))
+        if not quantizers or i in fp_layers or (int8 - convs) < min_int8 * total:
+            continue
+        with quantizers_off(quantizers):
+            score = ap(qmodel, f"layer {i} in FP")
+        ranking.append({"layer": i, "module": _module(qmodel, i), "holdout_AP": round(score, 4), "score": score})
+    if not ranking:
+        print(f"budget step 3 (FP layer): no further layer can stay in FP with {min_int8:g} of the convolutions INT8 "
+              "(--min-int8)", flush=True)
+    return sorted(ranking, key=lambda r: -r["score"])
+
+
+def _with_fp_layers(qmodel: nn.Module, info: QuantInfo, layers: list[int]) -> QuantInfo:
+    """``info`` with ``layers`` among the layers kept in FP, as ``--skip-layers`` would record them (the export's
+    lint and a rebuilt checkpoint read them there)."""
+    from utils.qat.quantize.rules import fp_patterns
+    skip = tuple(dict.fromkeys([*info.config.skip, *map(str, layers)]))
+    return dataclasses.replace(info, config=dataclasses.replace(info.config, skip=skip),
+                               fp_patterns=list(dict.fromkeys([*info.fp_patterns, *fp_patterns(qmodel, map(str, layers))])))
+
+
+class _Epochs:
+    """Step 4 at one rate: rank 0 scores each epoch on the held-out images; every rank keeps the weights of an
+    epoch that raised the score, and stops when the budget is met or ``patience`` epochs gave nothing."""
+
+    def __init__(self, qmodel: nn.Module, log: _Log, ap: Callable[[nn.Module, str], float], best: float, lr: float,
+                 patience: int):
+        self.qmodel, self.log, self.ap, self.best, self.lr, self.patience = qmodel, log, ap, best, lr, patience
+        self.verdict: dict | None = None
+        self.state: dict[str, torch.Tensor] | None = None
+        self.idle = 0
+
+    def epoch_end(self, result: EpochResult) -> None:  # rank 0, the evaluated (EMA) weights in place
+        got = self.ap(self.qmodel, f"QAT epoch {result.epoch + 1} at lr {self.lr:g}")
+        improved = got > self.best
+        self.idle = 0 if improved else self.idle + 1
+        self.best = max(self.best, got)
+        stop = self.log.met(self.best) or self.idle >= self.patience
+        self.log.step(4, "fine-tuning", f"epoch {result.epoch + 1} at lr {self.lr:g}", got, improved,
+                      self.qmodel if improved else None, loss=round(result.loss, 6))
+        self.verdict = {"improved": improved, "stop": stop, "best": self.best}
+
+    def until(self) -> bool:  # every rank, after epoch_end
+        self.verdict = distributed.broadcast_object(self.verdict)
+        assert self.verdict is not None
+        self.best = self.verdict["best"]
+        if self.verdict["improved"]:
+            self.state = _snapshot(self.qmodel)
+        return self.verdict["stop"]
+
+
+def _finetune(qmodel: nn.Module, fp_model: nn.Module, info: QuantInfo, fit: dict, config: QATConfig, log: _Log,
+              ap: Callable[[nn.Module, str], float], current: float, **kwargs) -> tuple[nn.Module, float]:
+    start = _snapshot(qmodel)
+    best_state, best = start, current
+    for multiple in RATES:
+        lr = config.lr * multiple
+        qmodel.load_state_dict(start)
+        epochs = _Epochs(qmodel, log, ap, best, lr, log.budget.patience)
+        finetune_stage(qmodel, fp_model, info, fit, dataclasses.replace(config, lr=lr), on_epoch_end=epochs.epoch_end,
+                       until=epochs.until, **kwargs)
+        if epochs.state is not None:
+            best_state, best = epochs.state, epochs.best
+            break
+    qmodel.load_state_dict(best_state)
+    return qmodel, best
+
+
+def not_met(summary: dict, saved: str) -> str:
+    """The one sentence of a budget not met: the closest result, what it kept in FP, and what to change."""
+    layers = summary.get("fp_layers") or []
+    kept = f"layers {', '.join(map(str, layers))} kept in FP" if layers else "no layer kept in FP"
+    return (f"the accuracy budget was not met: the closest model scores {summary['holdout_AP']:.4f} on the held-out "
+            f"images, {summary['drop']:.4f} below FP against --max-drop {summary['max_drop']:g}, with {kept} "
+            f"({summary['int8_share']:.1%} of the convolutions INT8), saved as {saved}; pass a larger --max-drop, a "
+            f"lower --min-int8 to let more layers stay in FP, or more --epochs.")
+
+
+def check(summary: dict, saved: str, strict: bool) -> None:
+    """After the run: a notice when the held-out images are too few to tell the budget apart from noise, and a
+    budget not met is one sentence, with ``strict`` an error."""
+    spread = summary.get("holdout_spread")
+    if spread is not None and spread > summary["max_drop"] and distributed.is_main():
+        print(f"notice: the two halves of the {summary['holdout']['holdout_images']} held-out images differ by "
+              f"{spread:.4f} on the drop from FP, more than --max-drop {summary['max_drop']:g}: so few images decide "
+              "the budget within their own noise. Hold out more (--holdout-fraction) or add training images, and "
+              "compare with the evaluation figures in report.md.", flush=True)
+    if summary.get("met"):
+        return
+    sentence = not_met(summary, saved)
+    if strict:
+        raise QATError(sentence)
+    if distributed.is_main():
+        print(f"notice: {sentence}", flush=True)
