@@ -212,20 +212,25 @@ def pipeline(args, runner: Runner, rec: dict, on_change) -> None:
         return
     report = json.loads((run_dir / "report.json").read_text())
     rec["report"] = {k: report.get(k) for k in ("models", "epochs", "selection", "calibration_seconds", "provenance",
-                                                "world_size")}
+                                                "world_size", "budget")}
     rec["report"]["arguments"] = {k: report["arguments"].get(k) for k in
                                   ("imgsz", "batch_size", "epochs", "iters", "calib_method", "hyp", "workers", "device")}
     on_change()
-    if not ok or not report.get("epochs"):
+    budget = (report.get("budget") or {}).get("met") is not None  # --max-drop: qat_best is the budget's model
+    if not ok or not (report.get("epochs") or budget):
         return
     arguments = report["arguments"]
-    sel = report.get("selection") or {}
-    qat_row = next((m for m in report["models"] if m["name"] == "QAT"), {})
-    best_epoch = (sel.get("best") or {}).get("epoch", qat_row.get("epoch"))
-    last_epoch = report["epochs"][-1]["epoch"]
-    graphs = {"best": (run_dir / "weights" / f"qat_best_{weights.stem}.pt", best_epoch)}
-    if best_epoch != last_epoch:
-        graphs["last"] = (Path(report["epochs"][-1]["weights"]), last_epoch)
+    best = run_dir / "weights" / f"qat_best_{weights.stem}.pt"
+    if budget:
+        graphs = {"budget": (best, None)}
+    else:
+        sel = report.get("selection") or {}
+        qat_row = next((m for m in report["models"] if m["name"] == "QAT"), {})
+        best_epoch = (sel.get("best") or {}).get("epoch", qat_row.get("epoch"))
+        last_epoch = report["epochs"][-1]["epoch"]
+        graphs = {"best": (best, best_epoch)}
+        if best_epoch != last_epoch:
+            graphs["last"] = (Path(report["epochs"][-1]["weights"]), last_epoch)
     for pick, (pt, epoch) in graphs.items():
         if not step(f"export-{pick}", ["export_qat.py", "--weights", str(pt), "--imgsz", str(arguments["imgsz"]),
                                        *shlex.split(args.export_flags)]):
@@ -241,7 +246,7 @@ def pipeline(args, runner: Runner, rec: dict, on_change) -> None:
             rec["onnxruntime"][pick] = {"epoch": epoch, "onnx": str(onnx),
                                         **{k: result.get(k) for k in ("AP", "AP50", "halves", "Box", "Mask", "images",
                                                                       "seconds")}}
-    if "last" not in graphs and "best" in rec["onnxruntime"]:
+    if "best" in graphs and "last" not in graphs and "best" in rec["onnxruntime"]:
         rec["onnxruntime"]["last"] = {**rec["onnxruntime"]["best"], "same_as": "best"}
     on_change()
 
@@ -288,8 +293,12 @@ def figures(rec: dict) -> dict:
         return None if a is None or b is None else round(a - b, 4)
     aps = {"FP": fp, "PTQ": models.get("PTQ", {}).get("AP"), "best": (sel.get("best") or {}).get("AP"),
            "last": (sel.get("last") or {}).get("AP"), "INT8 ORT best": ort.get("best", {}).get("AP"),
-           "INT8 ORT last": ort.get("last", {}).get("AP")}
-    return {**aps, **{f"{k} - FP": minus(v, fp) for k, v in aps.items() if k != "FP"},
+           "INT8 ORT last": ort.get("last", {}).get("AP"), "budget": models.get("Budget", {}).get("AP"),
+           "INT8 ORT budget": ort.get("budget", {}).get("AP")}
+    budget = report.get("budget") or {}
+    held = {"budget held-out - FP": minus(budget.get("holdout_AP"), budget.get("fp_holdout_AP")),
+            "budget INT8 conv share": budget.get("int8_share"), "budget met (held-out)": budget.get("met")}
+    return {**aps, **{f"{k} - FP": minus(v, fp) for k, v in aps.items() if k != "FP"}, **held,
             "selection-free - FP (halves)": minus(free.get("AP"), free.get("Origin")),
             "selection-free - PTQ (halves)": minus(free.get("AP"), free.get("PTQ")),
             "best epoch": (sel.get("best") or {}).get("epoch"),
@@ -353,14 +362,43 @@ def run_markdown(rec: dict, concurrent: bool) -> list[str]:
             vs = [None if p.get(k) is None or p.get("AP") is None else p["AP"] - p[k] for k in ("Origin", "PTQ")]
             lines.append(f"| {label} | {where} | {p.get('stage', '')} | {_f(p.get('AP'))} | {_f(p.get('Origin'))} | "
                          f"{_f(p.get('PTQ'))} | {_f(vs[0], True)} | {_f(vs[1], True)} |")
+    lines += budget_markdown(report.get("budget"), ort.get("budget"), fp)
     step_s = s_per_step(report.get("epochs") or [])
     flag = " (runs concurrent: shared machine)" if concurrent else ""
-    lines += ["", f"Calibration {report.get('calibration_seconds')} s; QAT {step_s} s per step (epoch time over "
-              f"steps, data loading included){flag}.", "", "| Command | exit | seconds | log |", "|---|---|---|---|"]
+    qat_s = f"; QAT {step_s} s per step (epoch time over steps, data loading included)" if step_s else ""
+    lines += ["", f"Calibration {report.get('calibration_seconds')} s{qat_s}{flag}.", "",
+              "| Command | exit | seconds | log |", "|---|---|---|---|"]
     for c in rec["commands"]:
         lines.append(f"| `{c['step']}` | {c['returncode']} | {c['seconds']}{' *' if concurrent else ''} | {c['log']} |")
     lines += ["", "<details><summary>command lines</summary>", ""]
     lines += [f"    {c['command']}" for c in rec["commands"]] + ["", "</details>", ""]
+    return lines
+
+
+def budget_markdown(budget: dict | None, ort: dict | None, fp: float | None) -> list[str]:
+    """A --max-drop run's steps: each one's held-out AP (what it was decided on) beside its evaluation AP (kept
+    steps only, for this table), then the exported graph of the model it ended with on ONNX Runtime."""
+    if not budget:
+        return []
+    fp_held = budget["fp_holdout_AP"]
+    lines = ["", f"Budget --max-drop {budget['max_drop']:g}: {budget['holdout']['holdout_images']} held-out training "
+             f"images (FP {fp_held:.4f} there), evaluation images FP {_f(fp)}.", "",
+             "| Step | kind | tried | held-out AP | vs FP held-out | kept | evaluation AP | vs FP evaluation |",
+             "|" + "---|" * 8]
+    for st in budget.get("steps") or []:
+        ev = st.get("evaluation_AP")
+        kept = "met" if st.get("met") else "yes" if st["kept"] else "no"
+        lines.append(f"| {st['step']} | {st['kind']} | {st['tried']} | {_f(st['holdout_AP'])} | "
+                     f"{_f(st['holdout_AP'] - fp_held, True)} | {kept} | {_f(ev)} | "
+                     f"{_f(None if ev is None or fp is None else ev - fp, True)} |")
+    if "met" in budget:
+        layers = ", ".join(map(str, budget.get("fp_layers") or [])) or "none"
+        lines += ["", f"{'Met' if budget['met'] else 'Not met'} on the held-out images ({-budget['drop']:+.4f}); "
+                  f"layers in FP: {layers}; {budget['int8_convs']} of {budget['convs']} convolutions INT8; "
+                  f"{budget['seconds']:.0f} s of budget steps."]
+    if ort:
+        lines += [f"The exported graph on ONNX Runtime: {_f(ort['AP'])} on the evaluation images "
+                  f"({_f(None if fp is None else ort['AP'] - fp, True)} against FP)."]
     return lines
 
 
@@ -417,7 +455,8 @@ def plot(result: dict, path: Path) -> None:
             if best:
                 ax.plot([best["epoch"]], [best["AP"]], "*", ms=11, color=color)
             for o in rec.get("onnxruntime", {}).values():
-                ax.plot([o["epoch"]], [o["AP"]], "x", ms=7, color=color)
+                if o.get("epoch") is not None:  # a --max-drop run's graph has no epoch
+                    ax.plot([o["epoch"]], [o["AP"]], "x", ms=7, color=color)
         ax.set_title(Path(w).name, fontsize=9)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("QAT epoch (0: PTQ)")
