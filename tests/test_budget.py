@@ -87,6 +87,22 @@ def test_holdout_never_takes_evaluation_images(yolov9_tree, shapes40, tmp_path):
     assert "--holdout-fraction 0.01 of the 32 training images" in str(e.value) and "evaluation images too" in str(e.value)
 
 
+def test_holdout_keeps_linked_images_linked(yolov9_tree, shapes40, tmp_path):
+    """A dataset of links (as benchmarks/custom_model.py makes: a class subset whose labels sit beside the links)
+    is split by the links' paths: upstream finds a label from its image's path, and the targets' labels are another
+    dataset's."""
+    from utils.qat.evaluation.data import holdout_images
+    source = shapes40.parent
+    for sub in ("images", "labels"):
+        (tmp_path / "train" / sub).mkdir(parents=True)
+    for image in sorted((source / "images" / "train").iterdir()):
+        (tmp_path / "train" / "images" / image.name).symlink_to(image)
+        (tmp_path / "train" / "labels" / f"{image.stem}.txt").write_text("0 0.5 0.5 0.1 0.1\n")
+    data = {**_data(shapes40), "train": str(tmp_path / "train" / "images")}
+    fit, held, _ = holdout_images(data, 0.2)
+    assert len(held) == 8 and all(p.startswith(str(tmp_path / "train" / "images")) for p in fit + held)
+
+
 # ---- the steps ------------------------------------------------------------------------------------------
 
 @pytest.mark.slow

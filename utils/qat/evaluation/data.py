@@ -286,8 +286,10 @@ def labelled(loader, device):
 
 
 def _split_images(data: dict, split: str) -> list[str]:
+    """The absolute paths of a split's images, links kept as links: upstream finds each label by the image's path
+    (images/ -> labels/), so a dataset of linked images has its labels beside the links, not beside their targets."""
     entries = data[split] if isinstance(data[split], list) else [data[split]]
-    return [str(Path(p).resolve()) for entry in entries for p in _images(Path(entry))]
+    return [os.path.abspath(p) for entry in entries for p in _images(Path(entry))]
 
 
 def holdout_images(data: dict, fraction: float) -> tuple[list[str], list[str], int]:
@@ -296,9 +298,10 @@ def holdout_images(data: dict, fraction: float) -> tuple[list[str], list[str], i
     the split is the same on every rank and in every run; ``fit`` is the rest of the training images, which
     calibrate and fine-tune; ``shared``: how many training images are evaluation images too (never held out).
     A split that leaves either side empty is a QATError saying what to change."""
-    train, evaluation = _split_images(data, "train"), set(_split_images(data, "val"))
-    shared = sum(p in evaluation for p in train)
-    candidates = sorted(p for p in train if p not in evaluation)
+    train = _split_images(data, "train")
+    evaluation = {os.path.realpath(p) for p in _split_images(data, "val")}  # one file under two names is one image
+    shared = sum(os.path.realpath(p) in evaluation for p in train)
+    candidates = sorted(p for p in train if os.path.realpath(p) not in evaluation)
     n = round(fraction * len(candidates))
     if len(candidates) < 2 or n < 1 or n >= len(candidates):
         also = f" ({shared} of its {len(train)} training images are evaluation images too)" if shared else ""
