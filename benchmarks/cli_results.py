@@ -1,5 +1,7 @@
-"""Results from the commands users run: for each weights file and seed, `qat.py quantize`, `export_qat.py` of the
-best and of the last epoch, and `val_trt.py --backend onnxruntime` of each exported graph, run as subprocesses in
+"""The published accuracy tables, from the commands users run, as users run them.
+
+For each weights file and seed: `qat.py quantize`, `export_qat.py` of the best and of the last epoch (of the budget's
+model, for a `--max-drop` run), and `val_trt.py --backend onnxruntime` of each exported graph, run as subprocesses in
 a patched YOLOv9 tree, each with its exit status, wall time and log; the numbers are read back from the JSON files
 those commands write (report.json, val_trt's results.json), nothing is evaluated here. Writes LABEL.json, LABEL.md
 (per run: FP, PTQ, every epoch, best, last, selection-free, INT8 ONNX Runtime of best and last, times; then the

@@ -88,15 +88,18 @@ def calibrations(first: QuantConfig, task: str, device_type: str) -> list[QuantC
 
 
 def _describe(config: QuantConfig) -> str:
+    """A calibration as one line shows it: ``mse, layers 0-5 searched``."""
     method = f"percentile {config.percentile:g}" if config.method == "percentile" else config.method
-    layers = config.search_layers
-    search = f"layers {layers[0]}-{layers[-1]} searched" if layers and list(layers) == list(
-        range(layers[0], layers[-1] + 1)) else f"layers {','.join(map(str, layers))} searched" if layers else "no search"
-    return f"{method}, {search}"
+    layers = list(config.search_layers)
+    if not layers:
+        return f"{method}, no search"
+    span = f"{layers[0]}-{layers[-1]}" if layers == list(range(layers[0], layers[-1] + 1)) else ",".join(map(str, layers))
+    return f"{method}, layers {span} searched"
 
 
 def conv_counts(model: nn.Module) -> tuple[int, int]:
-    """``(int8, total)``: the model's convolutions, and those whose weights are quantized."""
+    """``(int8, total)``: the convolutions of ``model`` (a model or one of its layers), and those whose weights are
+    quantized."""
     convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
     int8 = [m for m in convs if getattr(getattr(m, "weight_quantizer", None), "is_enabled", False)]
     return len(int8), len(convs)
@@ -236,14 +239,14 @@ def to_budget(fp_model: nn.Module, data: dict, quant: QuantConfig, config: QATCo
             top = ranking[0]
             if top["holdout_AP"] <= round(current, 4):
                 log.step(3, "FP layer", f"layer {top['layer']} ({top['module']}) in FP, the best of "
-                         f"{len(ranking)} layers", top["holdout_AP"], False, ranking=ranking[:5])
+                         f"{len(ranking)} layers", top["score"], False, ranking=_shown(ranking))
                 break
             for q in _layer_quantizers(qmodel, top["layer"]):
                 q.disable()  # for good: this layer stays in floating point
             fp_layers.append(top["layer"])
             current = _main_decides(lambda: ap(qmodel, f"layers {', '.join(map(str, fp_layers))} in FP"))
             log.step(3, "FP layer", f"layer {top['layer']} ({top['module']}) in FP", current, True, qmodel,
-                     ranking=[{k: v for k, v in r.items() if k != "score"} for r in ranking[:5]])
+                     ranking=_shown(ranking))
         if fp_layers:
             info = _with_fp_layers(qmodel, info, fp_layers)
 
@@ -275,9 +278,7 @@ def _fp_ranking(qmodel: nn.Module, fp_layers: list[int], min_int8: float,
     ranking = []
     for i, layer in enumerate(qmodel.model):
         quantizers = _layer_quantizers(qmodel, i)
-        convs = sum(1 for m in layer.modules() if isinstance(m, nn.Conv2d)
-                    and getattr(getattr(m, "weight_quantizer", None), "is_enabled", False))
-        if not quantizers or i in fp_layers or (int8 - convs) < min_int8 * total:
+        if not quantizers or i in fp_layers or int8 - conv_counts(layer)[0] < min_int8 * total:
             continue
         with quantizers_off(quantizers):
             score = ap(qmodel, f"layer {i} in FP")
@@ -286,6 +287,11 @@ def _fp_ranking(qmodel: nn.Module, fp_layers: list[int], min_int8: float,
         print(f"budget step 3 (FP layer): no further layer can stay in FP with {min_int8:g} of the convolutions INT8 "
               "(--min-int8)", flush=True)
     return sorted(ranking, key=lambda r: -r["score"])
+
+
+def _shown(ranking: list[dict]) -> list[dict]:
+    """The top of a ranking as report.json keeps it (rounded scores)."""
+    return [{k: v for k, v in r.items() if k != "score"} for r in ranking[:5]]
 
 
 def _with_fp_layers(qmodel: nn.Module, info: QuantInfo, layers: list[int]) -> QuantInfo:
