@@ -52,13 +52,13 @@ def _calibration(p: argparse.ArgumentParser, task: str) -> None:
     p.add_argument("--calib-method", choices=CALIB_METHODS, default=DEFAULT_CALIB_METHODS[task],
                    help="activation calibration (weights are always per-channel max; default: %(default)s). mse-image "
                         "runs the MSE search with every image weighted alike, so a few images with far larger "
-                        "activations cannot stretch the scales (the segmentation default; docs/QAT_CALIBRATION.md '`mse-image` on "
-                        "the GPU, and the calibration default per task')")
+                        "activations cannot stretch the scales (the segmentation default; docs/QAT_CALIBRATION.md "
+                        "'`mse-image` on the GPU, and the calibration default per task')")
     p.add_argument("--percentile", type=float, default=DEFAULT_PERCENTILE, help="for --calib-method percentile")
     p.add_argument("--calib-batches", type=int, default=25,
                    help="calibration batches: the first N of the training split, unaugmented (a few images with far "
-                        "larger activations than the rest can cost more than they teach: docs/QAT_FINETUNING.md 'GELAN-C run to "
-                        "run, and what limits GELAN-QS-seg')")
+                        "larger activations than the rest can cost more than they teach: docs/QAT_FINETUNING.md "
+                        "'GELAN-C run to run, and what limits GELAN-QS-seg')")
     p.add_argument("--head-amax", choices=HEAD_AMAX, default=DEFAULT_HEAD_AMAX,
                    help="the detect head's input scales: as calibrated, or searched after calibration for the "
                         "lowest error of the head's outputs against the FP head (a few seconds on a GPU)")
@@ -70,16 +70,16 @@ def _calibration(p: argparse.ArgumentParser, task: str) -> None:
                         "calibration like the head's, each candidate scored through the whole network on "
                         "--head-batches batches (a whole forward pass per candidate: 14-23 s for layers 0-5 on an "
                         "H100 or H200, minutes on a CPU). auto (the default): 0-5 for detection on a GPU, none on a "
-                        "CPU and for segmentation; the log says which (docs/QAT_RECIPE.md 'The search as the default on a "
-                        "GPU')")
+                        "CPU and for segmentation; the log says which (docs/QAT_RECIPE.md 'The search as the default "
+                        "on a GPU')")
     p.add_argument("--tie", choices=TIES, default=DEFAULT_TIE,
                    help="the one scale of tensors TensorRT needs on one scale (a Concat's inputs, MaxPool): max = "
                         "the largest of their calibrated amax, mse = the least squared error over all of them "
                         "(histogram methods; default: %(default)s)")
     p.add_argument("--seed", type=int, default=57,
                    help="seeds the fine-tuning: the order of the training images and the random streams of their "
-                        "augmentation (runs with the same seed and --workers repeat; docs/QAT_FINETUNING.md 'GELAN-C run to run, "
-                        "and what limits GELAN-QS-seg')")
+                        "augmentation (runs with the same seed and --workers repeat; docs/QAT_FINETUNING.md 'GELAN-C "
+                        "run to run, and what limits GELAN-QS-seg')")
 
 
 def _finetuning(p: argparse.ArgumentParser) -> None:

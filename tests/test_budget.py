@@ -1,8 +1,12 @@
 """The accuracy budget (``qat.py quantize --max-drop``, utils/qat/run/budget.py) on the embedded shapes models: the
-held-out split, a budget met at the first step, one met only by keeping a layer in FP, one met by fine-tuning, one
-that cannot be met (its sentence, and ``--strict``), segmentation, and the flags' checks. Calibration is ``max`` on
-one batch with the head's scales as calibrated, the cheapest on a CPU; step 2's calibrations are left out where a test
-is about a later step (``Budget(calibrations=())``), since each costs a minute there."""
+held-out split, a budget met at the first step, one met only by keeping a layer in FP, fine-tuning scored epoch by
+epoch, one that cannot be met (its sentence, and ``--strict``), segmentation, and the flags' checks. Calibration is
+``max`` on one batch with the head's scales as calibrated, the cheapest on a CPU; step 2's calibrations are left out
+where a test is about a later step (``Budget(calibrations=())``), since each costs a minute there.
+
+Which step meets a tight budget on 8 held-out images depends on the last bits of the tree's dataloader and the CPU's
+convolutions, so the tests that need a step to fall short make it fall short on purpose: ``_broken`` gives layer 1
+an input that no per-tensor INT8 scale can hold, which only that layer in FP mends."""
 from __future__ import annotations
 
 import json
@@ -37,17 +41,29 @@ def _data(yaml_path: Path) -> dict:
     return load_data_yaml(yaml_path, splits=("train", "val"))
 
 
-def _to_budget(yolov9_tree, shapes40, budget, finetune=None, calib_batches=1):
-    """``to_budget`` on the quickstart model, as qat.py calls it (no recorder: no run folder)."""
+def _broken(fp):
+    """The quickstart model with channel 0 of layer 0 raised by 1000 and cut out of layer 1's weights: FP computes as
+    if that channel were dead, but layer 1's input quantizer (one scale per tensor) must reach 1000, and every other
+    channel of its input rounds to nothing. Keeping layer 1 in FP mends it; no other step can."""
+    with torch.no_grad():
+        fp.model[0].bn.bias[0] += 1000
+        fp.model[1].conv.weight[:, 0] = 0
+    return fp
+
+
+def _to_budget(yolov9_tree, shapes40, budget, finetune=None, broken=False):
+    """``to_budget`` on the quickstart model (``broken``: :func:`_broken`), as qat.py calls it, without a recorder."""
     from utils.qat.model import checkpoint
     from utils.qat.quantize.config import QuantConfig
     from utils.qat.run.budget import to_budget
     from utils.qat.run.pipeline import Evaluation
     fp = checkpoint.load_fp(QS)
+    if broken:
+        fp = _broken(fp)
     data, device = _data(shapes40), torch.device("cpu")
     score = Evaluation(data, imgsz=256, batch_size=8, device=device, workers=2)
     return to_budget(fp, data, QuantConfig(method="max", head_amax="calibrated"), finetune, budget, score=score,
-                     imgsz=256, batch_size=8, device=device, calib_batches=calib_batches, workers=2, seed=57)
+                     imgsz=256, batch_size=8, device=device, calib_batches=1, workers=2, seed=57)
 
 
 def _heldout_ap(model, shapes40, fraction=0.2) -> float:
@@ -131,15 +147,16 @@ def test_budget_met_at_the_first_step(yolov9_tree, shapes40, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_budget_keeps_a_layer_in_fp_when_calibration_falls_short(yolov9_tree, shapes40, tmp_path):
-    """Calibration misses a tight budget; keeping one layer in FP meets it. The layer is recorded as --skip-layers
-    would record it, survives a checkpoint, and the export's Q/DQ lint accepts it."""
+    """Calibration misses the budget by far (layer 1's input is broken); the FP-layer step finds layer 1 first and
+    meets it with that layer alone. The layer is recorded as --skip-layers would record it, survives a checkpoint,
+    and the export's Q/DQ lint accepts it."""
     from utils.qat.model import checkpoint
     from utils.qat.run.budget import Budget, conv_counts
-    qmodel, info, summary = _to_budget(yolov9_tree, shapes40, Budget(max_drop=0.001, calibrations=()))
+    qmodel, info, summary = _to_budget(yolov9_tree, shapes40, Budget(max_drop=0.05, calibrations=()), broken=True)
     first, *rest = summary["steps"]
-    assert first["step"] == 1 and first["drop"] > 0.001 and not first["met"], first  # the premise: calibration falls short
-    assert summary["met"] and len(summary["fp_layers"]) == 1, summary
-    layer = summary["fp_layers"][0]
+    assert first["step"] == 1 and first["drop"] > 0.3 and not first["met"], first
+    assert summary["met"] and summary["fp_layers"] == [1], summary
+    layer = 1
     assert [s["step"] for s in rest] == [3] and rest[0]["kept"] and rest[0]["met"]
     assert rest[0]["ranking"][0]["layer"] == layer and "score" not in rest[0]["ranking"][0]
     assert info.config.skip == (str(layer),) and f"model.{layer}." in info.fp_patterns
@@ -155,21 +172,26 @@ def test_budget_keeps_a_layer_in_fp_when_calibration_falls_short(yolov9_tree, sh
 
 
 @pytest.mark.slow
-def test_budget_fine_tunes_when_nothing_else_may(yolov9_tree, shapes40):
-    """With no other calibration and every layer INT8, fine-tuning is the step left: each epoch is scored on the
-    held-out images, and the model returned is the best epoch's (or the calibrated one, if no epoch beat it)."""
+def test_budget_fine_tunes_epoch_by_epoch_and_keeps_the_best(yolov9_tree, shapes40):
+    """With no other calibration, every layer INT8 and a budget no model can meet (INT8 1.0 above FP: the library
+    takes it, the CLI allows 0-1), fine-tuning is the step left: every epoch is scored on the held-out images, a rate
+    stops after two epochs without a gain, the next rate starts from the calibrated model, and the model returned is
+    the best seen (the calibrated one, if no epoch beat it)."""
     from utils.qat.quantize.finetune import QATConfig
-    from utils.qat.run.budget import Budget
-    qmodel, _, summary = _to_budget(yolov9_tree, shapes40, Budget(max_drop=0.0, min_int8=1.0, calibrations=()),
+    from utils.qat.run.budget import RATES, Budget
+    qmodel, _, summary = _to_budget(yolov9_tree, shapes40, Budget(max_drop=-1.0, min_int8=1.0, calibrations=()),
                                     finetune=QATConfig(epochs=3, iters=3, warmup=2))
     epochs = [s for s in summary["steps"] if s["kind"] == "fine-tuning"]
-    assert [s["step"] for s in summary["steps"]][:1] == [1] and epochs, summary["steps"]
-    assert all(s["tried"].endswith(f"at lr {3e-5:g}") or s["tried"].endswith(f"at lr {1e-5:g}") for s in epochs)
+    assert summary["steps"][0]["step"] == 1 and not summary["met"] and epochs
+    rates = [float(s["tried"].rsplit(" ", 1)[1]) for s in epochs]
+    assert rates[0] == pytest.approx(3e-5) and all(any(r == pytest.approx(3e-5 * m) for m in RATES) for r in rates)
+    first_rate = [s for s, r in zip(epochs, rates) if r == rates[0]]
+    gained = any(s["kept"] for s in first_rate)
+    assert len(first_rate) == 3 if gained else len(first_rate) == 2  # two epochs without a gain end a rate
+    assert (len(first_rate) < len(epochs)) == (not gained)  # a rate that gave nothing hands over to the next
     best = max(s["holdout_AP"] for s in summary["steps"] if s["kept"])
     assert summary["holdout_AP"] == best and summary["int8_share"] > 0.99
     assert abs(_heldout_ap(qmodel, shapes40) - best) < 1e-4
-    if summary["met"]:
-        assert epochs[-1]["met"]  # it stopped at the epoch that met the budget
 
 
 @pytest.mark.slow
@@ -178,15 +200,16 @@ def test_budget_that_cannot_be_met_says_so(yolov9_tree, shapes40, capsys):
     closest result and what to change, a notice by default and an error with --strict."""
     from utils.qat.core.errors import QATError
     from utils.qat.run.budget import Budget, check
-    _, _, summary = _to_budget(yolov9_tree, shapes40, Budget(max_drop=0.0, min_int8=1.0, calibrations=()))
-    assert not summary["met"] and summary["drop"] > 0 and summary["fp_layers"] == []
+    _, _, summary = _to_budget(yolov9_tree, shapes40, Budget(max_drop=0.05, min_int8=1.0, calibrations=()),
+                               broken=True)
+    assert not summary["met"] and summary["drop"] > 0.3 and summary["fp_layers"] == []
     check(summary, "runs/qat/exp/weights/qat_best_x.pt", strict=False)
     notice = capsys.readouterr().out
     assert "notice: the accuracy budget was not met: the closest model scores" in notice
     with pytest.raises(QATError) as e:
         check(summary, "runs/qat/exp/weights/qat_best_x.pt", strict=True)
     sentence = str(e.value)
-    assert "\n" not in sentence and f"{summary['drop']:.4f} below FP against --max-drop 0" in sentence
+    assert "\n" not in sentence and f"{summary['drop']:.4f} below FP against --max-drop 0.05" in sentence
     assert "no layer kept in FP" in sentence and "saved as runs/qat/exp/weights/qat_best_x.pt" in sentence
     assert "pass a larger --max-drop, a lower --min-int8" in sentence
 

@@ -34,9 +34,10 @@ def run_dir(project: str | Path, name: str, exist_ok: bool) -> Path:
 
 def previous_run(run_dir: Path, stem: str) -> list[Path]:
     """The files ``qat.py quantize`` of the weights ``stem`` wrote in ``run_dir``: its reports, checkpoints
-    (``ptq_*``, ``qat_ep_*``, ``qat_best_*``) and any temporary file a killed run left behind."""
+    (``ptq_*``, ``qat_ep_*``, ``qat_best_*``), the accuracy budget's image lists and any temporary file a killed run
+    left behind."""
     run_dir, weights = Path(run_dir), Path(run_dir) / "weights"
-    files = [run_dir / n for n in ("report.json", "report.md", "qat_ap.png")]
+    files = [run_dir / n for n in ("report.json", "report.md", "qat_ap.png", "holdout/fit.txt", "holdout/holdout.txt")]
     for pattern in (f"ptq_ap_*_{stem}.pt", f"ptq_{stem}.pt", f"qat_ep_*_ap_*_{stem}.pt", f"qat_best_{stem}.pt",
                     PARTIAL):
         files += sorted(weights.glob(pattern))
