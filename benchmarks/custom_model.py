@@ -120,14 +120,15 @@ def make_data(args, out: Path) -> tuple[Path, dict]:
     return data, {"classes": args.classes, "coco_ids": list(keep), "images": counts}
 
 
-def run(cmd: list[str], cwd: Path, log: Path, env: dict | None = None) -> float:
+def run(name: str, cmd: list[str], cwd: Path, log: Path, env: dict | None = None) -> float:
+    """``cmd`` in ``cwd``, its output in ``log``; its seconds, or Refused naming ``name`` and the log."""
     start = time.time()
     with open(log, "w") as f:
         f.write("$ " + " ".join(cmd) + "\n")
         f.flush()
         r = subprocess.run(cmd, cwd=cwd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     if r.returncode:
-        raise Refused(f"{Path(cmd[1]).name if cmd[1] != '-c' else 'train.py'} exited {r.returncode}; see {log}.")
+        raise Refused(f"{name} exited {r.returncode}; see {log}.")
     return round(time.time() - start, 1)
 
 
@@ -152,7 +153,7 @@ def main(args) -> dict:
              "--epochs", str(args.epochs), "--batch-size", str(args.batch_size), "--imgsz", str(args.imgsz),
              "--device", args.device, "--workers", str(args.workers), "--seed", str(args.seed), "--noval",
              "--noplots", "--project", str(out / "train"), "--name", name, "--exist-ok"]
-    record["train_seconds"] = run(train, tree, out / "train.log", env)
+    record["train_seconds"] = run("train.py", train, tree, out / "train.log", env)
     weights_dir = out / "train" / name / "weights"  # upstream writes the last epoch without its optimizer beside it
     last = next(p for p in (weights_dir / "last_striped.pt", weights_dir / "last.pt") if p.is_file())
     model = out / f"{name}.pt"
@@ -160,7 +161,7 @@ def main(args) -> dict:
     score = [args.python, "qat.py", "eval", "--allow-fp", "--weights", str(model), "--data", str(data),
              "--imgsz", str(args.imgsz), "--device", args.device, "--project", str(out / "eval"), "--name", name,
              "--exist-ok"]
-    run(score, tree, out / "eval.log")
+    run("qat.py eval", score, tree, out / "eval.log")
     result = json.loads((out / "eval" / name / "results.json").read_text())
     record.update(weights=str(model), weights_sha256=sha256(model), size_bytes=model.stat().st_size,
                   started_from=weights.name, fp_AP=result.get("AP"), fp_AP50=result.get("AP50"),

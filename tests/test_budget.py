@@ -136,6 +136,7 @@ def test_budget_met_at_the_first_step(yolov9_tree, shapes40, tmp_path, capsys):
     assert budget["fp_layers"] == [] and budget["int8_share"] > 0.99
     assert budget["steps"][0]["evaluation_AP"] == next(m["AP"] for m in report["models"] if m["name"] == "PTQ")
     assert [m["name"] for m in report["models"]] == ["Origin", "PTQ", "Budget"] and not report["epochs"]
+    assert report["models"][2]["AP"] == report["models"][1]["AP"] == budget["evaluation_AP"]  # one model, scored once
     weights = sorted(p.name for p in (run / "weights").iterdir())
     assert weights == [f"ptq_ap_{report['models'][1]['AP']:.4f}_gelan-qs-shapes.pt", "qat_best_gelan-qs-shapes.pt"]
     held = set((run / "holdout" / "holdout.txt").read_text().split())

@@ -168,7 +168,7 @@ class _Log:
         if kept:
             self.summary["holdout_spread"] = self.spread(self.heldout.halves)
         if kept and model is not None and self.recorder is not None:
-            record["evaluation_AP"] = round(self.recorder.score_only(model, f"budget step {number}: {tried}"), 4)
+            record["evaluation_AP"] = round(self.recorder.score_kept(model, f"budget step {number}: {tried}"), 4)
         self.steps.append(record)
         verdict = "kept, within the budget" if record["met"] else "kept" if kept else "not kept"
         print(f"budget step {number} ({kind}): {tried}: held-out mAP50-95 {ap:.4f} ({ap - self.fp:+.4f} against FP "

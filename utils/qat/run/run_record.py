@@ -74,6 +74,7 @@ class RunRecorder:
         self.best_ap: float | None = None
         self.best_epoch, self.best_row = 0, None
         self.finetuned = False
+        self.kept: tuple[Any, float] | None = None  # the budget's last kept model, as scored: (metrics, seconds)
 
     def save_report(self) -> None:
         if self.epochs:
@@ -98,6 +99,7 @@ class RunRecorder:
         self.finetuned = finetuning
         if self.eval_ptq:
             m, sec = self.score(qmodel, "PTQ")
+            self.kept = (m, sec)
             self.ptq_ap = self.best_ap = m.mAP50_95
             path = self.wdir / f"ptq_ap_{m.mAP50_95:.4f}_{self.stem}.pt"
             self.rows.append(reports.entry("PTQ", path, m, sec, calib_method=info.config.method))
@@ -131,18 +133,20 @@ class RunRecorder:
         for name in ("fit.txt", "holdout.txt"):
             copy_file(Path(folder) / name, self.out / "holdout" / name)
 
-    def score_only(self, model: nn.Module, desc: str) -> float:
-        """The AP of ``model`` on the evaluation images, for the report alone (no row, no checkpoint)."""
-        m, _ = self.score(model, desc)
-        return m.mAP50_95
+    def score_kept(self, model: nn.Module, desc: str) -> float:
+        """The AP on the evaluation images of a model the budget kept (no row, no checkpoint). The budget ends with
+        the last model it kept, so ``budget_result`` reuses that evaluation instead of scoring the same model again."""
+        self.kept = self.score(model, desc)
+        return self.kept[0].mAP50_95
 
     def budget_progress(self, summary: dict) -> None:
         self.meta["budget"] = summary
         self.save_report()
 
     def budget_result(self, qmodel: nn.Module, info: QuantInfo, summary: dict) -> None:
-        """The model the budget ended with: scored on the evaluation images, saved as ``qat_best``."""
-        m, sec = self.score(qmodel, "INT8 (budget)")
+        """The model the budget ended with (the last it kept, scored then; scored here only if that step was not,
+        as under ``--no-eval-ptq``), saved as ``qat_best``."""
+        m, sec = self.kept or self.score(qmodel, "INT8 (budget)")
         row = reports.entry("Budget", self.best_path, m, sec, calib_method=info.config.method,
                             fp_layers=summary.get("fp_layers", []), int8_share=summary.get("int8_share"))
         self._save(self.best_path, qmodel, info, None, row)
