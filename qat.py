@@ -126,7 +126,7 @@ def _finetuning(p: argparse.ArgumentParser) -> None:
 
 
 def _budget(p: argparse.ArgumentParser) -> None:
-    from utils.qat.run.budget import DEFAULT_HOLDOUT, DEFAULT_MIN_INT8
+    from utils.qat.run.budget import DEFAULT_CONFIDENCE, DEFAULT_HOLDOUT, DEFAULT_MIN_INT8
     p.add_argument("--max-drop", type=float, default=None, metavar="D",
                    help="an accuracy budget: mAP50-95 at most D below the FP model on training images held out from "
                         "calibration and fine-tuning; the run escalates only as far as it needs (calibration, other "
@@ -138,6 +138,9 @@ def _budget(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-int8", type=float, default=DEFAULT_MIN_INT8,
                    help="--max-drop: the share of convolutions that must stay INT8 when layers are kept in FP "
                         "(default: %(default)s; 1 keeps every layer INT8)")
+    p.add_argument("--confidence", type=float, default=DEFAULT_CONFIDENCE,
+                   help="--max-drop: how sure the held-out images must make each decision, as a share of bootstrap "
+                        "draws over them (default: %(default)s; 0.5 decides on the held-out figures alone)")
     p.add_argument("--strict", action="store_true",
                    help="--max-drop: a budget not met ends the command with an error (the closest model is written "
                         "all the same)")
@@ -284,7 +287,7 @@ def _quantize(args, device, launch) -> Path | None:
         return recorder.out if recorder else None
     from utils.qat.run import budget
     limits = budget.Budget(max_drop=args.max_drop, holdout_fraction=args.holdout_fraction, min_int8=args.min_int8,
-                           strict=args.strict)
+                           confidence=args.confidence, strict=args.strict)
     _, _, summary = budget.to_budget(fp, data, config, finetuning, limits, score=_score(args, data, device), **stages)
     if recorder:
         recorder.finish()

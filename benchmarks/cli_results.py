@@ -383,21 +383,30 @@ def budget_markdown(budget: dict | None, ort: dict | None, fp: float | None) -> 
     if not budget:
         return []
     fp_held = budget["fp_holdout_AP"]
-    lines = ["", f"Budget --max-drop {budget['max_drop']:g}: {budget['holdout']['holdout_images']} held-out training "
-             f"images (FP {fp_held:.4f} there), evaluation images FP {_f(fp)}.", "",
-             "| Step | kind | tried | held-out AP | vs FP held-out | kept | evaluation AP | vs FP evaluation |",
-             "|" + "---|" * 8]
+    confidence = budget.get("confidence", 0.5)
+    lines = ["", f"Budget --max-drop {budget['max_drop']:g} at {confidence:.0%} confidence: "
+             f"{budget['holdout']['holdout_images']} held-out training images (FP {fp_held:.4f} there), evaluation "
+             f"images FP {_f(fp)}.", "",
+             f"| Step | kind | tried | held-out AP | vs FP held-out | {confidence:.0%} bound | kept | evaluation AP "
+             "| vs FP evaluation |", "|" + "---|" * 9]
     for st in budget.get("steps") or []:
         ev = st.get("evaluation_AP")
         kept = "met" if st.get("met") else "yes" if st["kept"] else "no"
+        bound = st.get("drop_bound")
         lines.append(f"| {st['step']} | {st['kind']} | {st['tried']} | {_f(st['holdout_AP'])} | "
-                     f"{_f(st['holdout_AP'] - fp_held, True)} | {kept} | {_f(ev)} | "
-                     f"{_f(None if ev is None or fp is None else ev - fp, True)} |")
+                     f"{_f(-st['drop'], True)} | {_f(None if bound is None else -bound, True)} | "
+                     f"{kept} | {_f(ev)} | {_f(None if ev is None or fp is None else ev - fp, True)} |")
     if "met" in budget:
         layers = ", ".join(map(str, budget.get("fp_layers") or [])) or "none"
-        lines += ["", f"{'Met' if budget['met'] else 'Not met'} on the held-out images ({-budget['drop']:+.4f}); "
+        bound = budget.get("drop_bound")
+        sure = "" if bound is None else f", {-bound:+.4f} or better at {confidence:.0%} confidence"
+        lines += ["", f"{'Met' if budget['met'] else 'Not met'} on the held-out images ({-budget['drop']:+.4f}{sure}); "
                   f"layers in FP: {layers}; {budget['int8_convs']} of {budget['convs']} convolutions INT8; "
                   f"{budget['seconds']:.0f} s of budget steps."]
+    if budget.get("evaluation_spread") is not None:
+        lines += [f"On the evaluation images: {_f(budget['evaluation_AP'])}, "
+                  f"{_f(None if fp is None else budget['evaluation_AP'] - fp, True)} against FP, +/- "
+                  f"{budget['evaluation_spread']:.4f} over bootstrap draws of those images."]
     if ort:
         lines += [f"The exported graph on ONNX Runtime: {_f(ort['AP'])} on the evaluation images "
                   f"({_f(None if fp is None else ort['AP'] - fp, True)} against FP)."]
@@ -435,11 +444,20 @@ def render(result: dict) -> str:
 
 def plot(result: dict, path: Path) -> None:
     """AP per epoch (epoch 0: PTQ) per seed, one panel per weights file; FP dashed, the best epoch starred, INT8 ONNX
-    Runtime of best and last as crosses."""
+    Runtime of best and last as crosses. A --max-drop set draws its budget's steps instead (:func:`plot_budget`)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
+    budgets = [r for r in result["runs"] if ((r.get("report") or {}).get("budget") or {}).get("steps")]
+    if budgets:
+        fig, axes = plt.subplots(1, len(budgets), figsize=(7 * len(budgets), 4.2), dpi=120, squeeze=False)
+        for ax, rec in zip(axes[0], budgets):
+            plot_budget(ax, rec)
+        fig.tight_layout()
+        _replace(path, lambda tmp: fig.savefig(tmp, format="png"))
+        plt.close(fig)
+        return
     weights = list(dict.fromkeys(r["weights"] for r in result["runs"] if r.get("report")))
     fig, axes = plt.subplots(1, len(weights), figsize=(6 * len(weights), 3.8), dpi=120, squeeze=False)
     for ax, w in zip(axes[0], weights):
@@ -468,6 +486,37 @@ def plot(result: dict, path: Path) -> None:
     fig.tight_layout()
     _replace(path, lambda tmp: fig.savefig(tmp, format="png"))
     plt.close(fig)
+
+
+def plot_budget(ax, rec: dict) -> None:
+    """One --max-drop run: each step in the order tried, its held-out difference from FP (filled: kept) with a line
+    down to its bound, the evaluation images' difference for the kept steps, the exported graph's at the end, and
+    the budget."""
+    budget = rec["report"]["budget"]
+    steps = budget["steps"]
+    x = range(1, len(steps) + 1)
+    for i, st in zip(x, steps):
+        ax.plot([i, i], [-st["drop"], -st.get("drop_bound", st["drop"])], color="C0", linewidth=1)
+        ax.plot([i], [-st["drop"]], "o", ms=5, color="C0", fillstyle="full" if st["kept"] else "none")
+    fp = next((m["AP"] for m in rec["report"].get("models") or [] if m["name"] == "Origin"), None)
+    if fp is not None:
+        kept = [(i, st["evaluation_AP"] - fp) for i, st in zip(x, steps) if st.get("evaluation_AP") is not None]
+        if kept:
+            ax.plot(*zip(*kept), "s", ms=5, color="C1", label="evaluation images (kept steps)")
+        graph = (rec.get("onnxruntime") or {}).get("budget")
+        if graph:
+            ax.plot([len(steps) + 1], [graph["AP"] - fp], "x", ms=8, color="C2", label="INT8 graph, ONNX Runtime")
+    ax.axhline(-budget["max_drop"], color="C3", linestyle="--", linewidth=1, label=f"budget {-budget['max_drop'] + 0.0:g}")
+    ax.axhline(0, color="grey", linewidth=0.6)
+    ax.plot([], [], "o-", ms=5, color="C0", label=f"held-out, line to the {budget.get('confidence', 0.5):.0%} bound "
+            "(filled: kept)")
+    ax.set_xticks(list(x), [f"{st['step']}" for st in steps])
+    ax.set_xlabel("step (1 calibration, 2 other calibrations, 3 FP layer, 4 epoch), in the order tried")
+    ax.set_ylabel("mAP50-95 minus FP")
+    ax.set_title(f"{Path(rec['weights']).name}, seed {rec['seed']}: --max-drop {budget['max_drop']:g}, "
+                 f"{'met' if budget.get('met') else 'not met'}", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
 
 
 def _replace(path: Path, write) -> None:

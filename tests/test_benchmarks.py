@@ -302,6 +302,26 @@ def test_cli_results_runs_the_real_commands(yolov9_tree, shapes, tmp_path):
     assert (out / "qs.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_cli_results_renders_a_budget_set(tmp_path):
+    """A committed --max-drop set (benchmarks/results/custom-budget0-h200.json, every step run) rendered again from its
+    JSON: one table row per step with its held-out figure, bound and (kept steps) evaluation figure, the evaluation
+    spread and the graph's line; the plot draws the steps, not the epochs."""
+    import json
+    bench = _module("cli_results")
+    result = json.loads((REPO / "benchmarks" / "results" / "custom-budget0-h200.json").read_text())
+    budget = result["runs"][0]["report"]["budget"]
+    md = bench.render(result)
+    assert "Budget --max-drop 0 at 90% confidence: 41 held-out training images" in md
+    rows = [line for line in md.splitlines() if re.match(r"\| [1-4] \| ", line)]
+    assert len(rows) == len(budget["steps"]) and all(line.count("|") == 10 for line in rows)
+    step1 = budget["steps"][0]
+    assert rows[0].startswith(f"| 1 | calibration | {step1['tried']} | {step1['holdout_AP']:.4f} | "
+                              f"{-step1['drop']:+.4f} | {-step1['drop_bound']:+.4f} | yes |")
+    assert f"+/- {budget['evaluation_spread']:.4f} over bootstrap draws" in md and "The exported graph" in md
+    bench.plot(result, tmp_path / "budget.png")
+    assert (tmp_path / "budget.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_ptq_spread_groups_the_committed_runs(tmp_path):
     """benchmarks/ptq_spread.py on the qat.py reports it was written for (benchmarks/results/ptq-spread-h200/logs):
     runs grouped by model and setting, a run whose calibration equals another's counted once, the table and plot

@@ -89,6 +89,7 @@ FLAGS: dict[str, Range] = {
     "--max-drop": Range(0, 1, hint="mAP50-95 points below the FP model, e.g. 0.005"),
     "--holdout-fraction": Range(0, 1, low_open=True, high_open=True, hint="e.g. 0.2"),
     "--min-int8": Range(0, 1, hint="1 keeps every layer INT8; e.g. 0.9"),
+    "--confidence": Range(0.5, 1, high_open=True, hint="0.5 decides on the held-out figures alone; e.g. 0.9"),
     # ONNX export (INT8 per-channel Q/DQ needs opset 13; torch's TorchScript exporter stops at 20)
     "--opset": Range(13, 20, hint="e.g. 17"),
     # reparameterization.py

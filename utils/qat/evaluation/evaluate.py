@@ -51,13 +51,16 @@ class Scores:
 @dataclass
 class Metrics:
     """What one evaluation measured: ``box`` scores, ``mask`` scores for segmentation (None otherwise);
-    ``halves``: the same scores of each half of the images (:data:`HALVES`, :func:`half_of`)."""
+    ``halves``: the same scores of each half of the images (:data:`HALVES`, :func:`half_of`); ``per_image``: the
+    statistics they were computed from, one :class:`ImageStats` per image (``utils/qat/evaluation/resample.py``
+    draws from them)."""
     box: Scores = field(default_factory=Scores)
     mask: Scores | None = None
     images: int = 0
     instances: int = 0
     seconds: float = 0.0
     halves: dict[str, Metrics] = field(default_factory=dict)
+    per_image: list[ImageStats] = field(default_factory=list, repr=False)
 
     @property
     def primary(self) -> Scores:
@@ -186,6 +189,7 @@ def evaluate(backend: Backend, data: dict, *, task: str = "detect", imgsz: int =
     metrics = score_images(images, names, hooks.masks)
     metrics.seconds = seconds
     metrics.halves = split_halves(images, names, hooks.masks)
+    metrics.per_image = images
     if save_json:
         write_text(save_json, json.dumps(jdict))
     return metrics

@@ -147,20 +147,29 @@ BUDGET_NOTE = ("Every step was decided on the held-out training images alone; th
                "this report only, on the steps kept.")
 
 
+def _spread(budget: dict) -> str:
+    """`` (+/- s against FP)``: the bootstrap spread of the evaluation images' difference from FP, where measured."""
+    spread = budget.get("evaluation_spread")
+    return "" if spread is None else f" (+/- {spread:.4f} against FP: the spread over bootstrap draws of its images)"
+
+
 def budget_table(budget: dict) -> str:
     """report.md's table of the accuracy budget's steps (``utils/qat/run/budget.py``), then its outcome."""
-    fp = budget["fp_holdout_AP"]
+    fp, confidence = budget["fp_holdout_AP"], budget.get("confidence", 0.5)
     lines = [f"Budget: mAP50-95 at most {budget['max_drop']:g} below FP ({fp:.4f}) on "
-             f"{budget['holdout']['holdout_images']} held-out training images.", "",
-             "| Step | kind | tried | held-out AP | vs FP | kept | evaluation AP |", "|" + "---|" * 7]
+             f"{budget['holdout']['holdout_images']} held-out training images, at {confidence:.0%} confidence (the "
+             f"bound: the difference from FP that {confidence:.0%} of bootstrap draws over those images stay "
+             "above).", "",
+             "| Step | kind | tried | held-out AP | vs FP | bound | kept | evaluation AP |", "|" + "---|" * 8]
     for s in budget["steps"]:
         kept = "met" if s.get("met") else "yes" if s["kept"] else "no"
-        lines.append(f"| {s['step']} | {s['kind']} | {s['tried']} | {s['holdout_AP']:.4f} | {s['holdout_AP'] - fp:+.4f} "
-                     f"| {kept} | {_cell(s.get('evaluation_AP'))} |")
+        lines.append(f"| {s['step']} | {s['kind']} | {s['tried']} | {s['holdout_AP']:.4f} | {-s['drop']:+.4f} "
+                     f"| {-s['drop_bound']:+.4f} | {kept} | {_cell(s.get('evaluation_AP'))} |")
     if "met" in budget:
         layers = ", ".join(map(str, budget["fp_layers"])) or "none"
         lines += ["", f"{'Met' if budget['met'] else 'Not met'}: held-out {budget['holdout_AP']:.4f} "
-                      f"({-budget['drop']:+.4f}); evaluation {_cell(budget.get('evaluation_AP'))}; calibration "
+                      f"({-budget['drop']:+.4f}, bound {-budget['drop_bound']:+.4f}); evaluation "
+                      f"{_cell(budget.get('evaluation_AP'))}{_spread(budget)}; calibration "
                       f"{budget['calibration']}; layers in FP: {layers}; {budget['int8_convs']} of {budget['convs']} "
                       f"convolutions INT8 ({budget['int8_share']:.1%}); {budget['seconds']:.0f} s."]
     return "\n".join(lines)

@@ -75,6 +75,7 @@ class RunRecorder:
         self.best_epoch, self.best_row = 0, None
         self.finetuned = False
         self.kept: tuple[Any, float] | None = None  # the budget's last kept model, as scored: (metrics, seconds)
+        self.origin_metrics = None  # the FP model's evaluation, what the budget's model is compared with
 
     def save_report(self) -> None:
         if self.epochs:
@@ -89,6 +90,7 @@ class RunRecorder:
         if not self.eval_origin:
             return
         m, sec = self.score(fp, "Origin")
+        self.origin_metrics = m
         self.rows.append(reports.entry("Origin", self.weights, m, sec))
         self.save_report()
 
@@ -152,6 +154,9 @@ class RunRecorder:
         self._save(self.best_path, qmodel, info, None, row)
         self.rows.append(row)
         summary["evaluation_AP"] = row["AP"]
+        if self.origin_metrics is not None:  # how far the evaluation images themselves can tell it from FP
+            from utils.qat.evaluation.resample import PairedBootstrap
+            summary["evaluation_spread"] = round(PairedBootstrap(self.origin_metrics)(m).spread, 4)
         self.budget_progress(summary)
         print(f"budget model saved to {self.best_path}")
 
