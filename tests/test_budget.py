@@ -160,6 +160,14 @@ def test_paired_bootstrap_measures_the_difference_on_the_same_images(yolov9_tree
         PairedBootstrap(fp)(_images(41))
 
 
+def test_paired_bootstrap_draws_fewer_on_large_sets():
+    """A bound's cost is bounded: 200 draws up to 100,000 predictions, fewer beyond, never below 50 (a caller's own
+    smaller count stands)."""
+    from utils.qat.evaluation.resample import draws_for
+    assert draws_for(20_000) == draws_for(100_000) == 200 and draws_for(200_000) == 100
+    assert draws_for(400_000) == draws_for(10**8) == 50 and draws_for(10**8, draws=20) == draws_for(5, draws=20) == 20
+
+
 # ---- the steps ------------------------------------------------------------------------------------------
 
 @pytest.mark.slow
