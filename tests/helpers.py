@@ -87,3 +87,25 @@ def upstream_config_dir(folder: Path) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(Path(matplotlib.get_data_path()) / "fonts" / "ttf" / "DejaVuSans.ttf", folder / "Arial.ttf")
     return {"YOLOV5_CONFIG_DIR": str(folder)}
+
+
+def narrow_class_branch(model, width: int = 8):
+    """``model`` with its head's class branch ``width`` channels wide instead of the yaml's (as Ultralytics builds
+    YOLOv9-t: 80 where upstream's yaml builds 128), random weights."""
+    from models.common import Conv
+    from utils.qat.core import yolov9
+    head = yolov9.head(model)
+    for i, branch in enumerate(head.cv3):
+        c1 = branch[0].conv.in_channels
+        head.cv3[i] = nn.Sequential(Conv(c1, width, 3), Conv(width, width, 3), nn.Conv2d(width, head.nc, 1))
+    return reinit(model, seed=1).eval()
+
+
+def quantized_checkpoint(fp: nn.Module, images: torch.Tensor, path: Path):
+    """``fp`` calibrated on ``images`` (max, calibrated head scales: the quick recipe) and saved as a quantized
+    checkpoint at ``path``: ``(quantized model, path)``."""
+    from utils.qat.model import checkpoint
+    from utils.qat.quantize.model_quant import QuantConfig, quantize
+    qmodel, info = quantize(fp, [images], QuantConfig(method="max", head_amax="calibrated"), example=images[:1])
+    qmodel.names = fp.names
+    return qmodel, checkpoint.save_quantized(path, qmodel, info)

@@ -11,35 +11,14 @@ import pytest
 import torch
 
 from conftest import run_main, tree_has
-from helpers import TINY_GELAN, build, real_images
+from helpers import TINY_GELAN, build, narrow_class_branch, quantized_checkpoint as _quantized, real_images
 
 IMGSZ = 64
-
-
-def narrow_class_branch(model, width: int = 8):
-    """``model`` with its head's class branch ``width`` channels wide instead of the yaml's (as Ultralytics builds
-    YOLOv9-t: 80 where upstream's yaml builds 128), random weights."""
-    import torch.nn as nn
-    from models.common import Conv
-    from utils.qat.core import yolov9
-    head = yolov9.head(model)
-    for i, branch in enumerate(head.cv3):
-        c1 = branch[0].conv.in_channels
-        head.cv3[i] = nn.Sequential(Conv(c1, width, 3), Conv(width, width, 3), nn.Conv2d(width, head.nc, 1))
-    return yolov9.reinit(model, seed=1).eval()
 
 
 @pytest.fixture(scope="module")
 def images(shared):
     return real_images(shared / "datasets" / "coco369" / "images" / "train2017", 2, IMGSZ)
-
-
-def _quantized(fp, images, path):
-    from utils.qat.model import checkpoint
-    from utils.qat.quantize.model_quant import QuantConfig, quantize
-    qmodel, info = quantize(fp, [images], QuantConfig(method="max", head_amax="calibrated"), example=images[:1])
-    qmodel.names = fp.names
-    return qmodel, checkpoint.save_quantized(path, qmodel, info)
 
 
 def _same_outputs(a, b, images) -> None:
@@ -97,12 +76,11 @@ def test_structure_that_does_not_fit_is_one_sentence(narrow):
         with pytest.raises(QATError, match="q.pt " + message) as e:
             structure.apply(copy.deepcopy(built), _broken(ckpt, change)["structure"], "q.pt")
         assert "\n" not in str(e.value)
-    # refused once the weights are compared: a record that applies but does not fit them, and a checkpoint
-    # written before checkpoints recorded their layers
+    # refused against the stored weights before the layer is made (tests/test_bounded_load.py: every such lie), and
+    # once the weights are compared: a checkpoint written before checkpoints recorded their layers
     wider = _broken(ckpt, lambda s: s["model.22.cv3.0.2"].__setitem__("in_channels", 9))
-    with pytest.raises(QATError, match=r"q.pt does not fit the model its yaml builds in this YOLOv9 tree "
-                                       r"\(model.22.cv3.0.2.weight has shape \(4, 8, 1, 1\) where the rebuilt model's "
-                                       r"is \(4, 9, 1, 1\)\); use the YOLOv9 tree it was quantized in"):
+    with pytest.raises(QATError, match=r"q.pt records a Conv2d at model.22.cv3.0.2 whose weight would have shape "
+                                       r"\(4, 9, 1, 1\), but the file stores one of shape \(4, 8, 1, 1\)"):
         checkpoint.load_quantized("q.pt", ckpt=wider)
     old = {k: v for k, v in ckpt.items() if k != "structure"}
     with pytest.raises(QATError, match=r"model.22.cv3.0.0.conv.weight has shape \(8, 48, 3, 3\) where the rebuilt "

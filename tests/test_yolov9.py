@@ -89,5 +89,6 @@ def test_stride_of_a_model_and_of_an_artifact():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert yolov9.artifact_stride(64, "m.onnx", "its metadata") == 64
-    with pytest.warns(UserWarning, match=r"m\.onnx's metadata is missing or has no stride; assuming 32"):
+    with pytest.warns(UserWarning, match=r"m\.onnx's metadata is missing or has no usable stride \(a power of two "
+                                         r"up to 128\); assuming 32"):
         assert yolov9.artifact_stride(None, "m.onnx", "m.onnx's metadata") == 32

@@ -14,7 +14,8 @@ parsed with ``ast.literal_eval``, which evaluates no code. A value that cannot b
 
 The End2End output names (:data:`END2END_OUTPUTS`, :data:`MASK_OUTPUT`) live here too: they are what tells a
 consumer that a graph or engine already holds NMS (and, with the rank of the outputs, which task a graph without
-metadata serves: :func:`task_from_outputs`). No onnx, torch or TensorRT import here.
+metadata serves: :func:`task_from_outputs`). A stated size is bounded (:data:`MAX_SIDE`, ...) before anything is
+sized by it. No onnx, torch or TensorRT import here.
 """
 from __future__ import annotations
 
@@ -23,12 +24,17 @@ import json
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-__all__ = ["END2END_OUTPUTS", "MASK_OUTPUT", "ArtifactMeta", "is_end2end", "parse_names", "parse_stride",
-           "read_props", "task_from_outputs", "write_props"]
+from utils.qat.core.errors import QATError
+
+__all__ = ["END2END_OUTPUTS", "MASK_OUTPUT", "ArtifactMeta", "check_fixed_input", "is_end2end", "parse_names",
+           "parse_stride", "read_props", "task_from_outputs", "write_props"]
 
 #: The outputs of an End2End graph (NMS in the graph), in order; segmentation adds :data:`MASK_OUTPUT`.
 END2END_OUTPUTS = ("num_dets", "det_boxes", "det_scores", "det_classes")
 MASK_OUTPUT = "det_masks"
+#: The largest stride, input side and fixed batch a file may state (anything larger is a damaged file, not a model:
+#: YOLOv9's strides are 8 to 64, its inputs 640 to 1280 pixels).
+MAX_STRIDE, MAX_SIDE, MAX_BATCH = 128, 8192, 1024
 
 
 def is_end2end(output_names: Iterable[str]) -> bool:
@@ -73,24 +79,37 @@ def parse_names(value: Any) -> dict[int, str] | None:
 
 
 def parse_stride(value: Any) -> int | None:
-    """The largest stride from ``32``, ``"32"``, ``"32.0"`` or a list of strides; None when not readable."""
+    """The largest stride from ``32``, ``"32"``, ``"32.0"`` or a list of strides; None when not readable, or not a
+    power of two up to :data:`MAX_STRIDE` (the input sizes are rounded up to a multiple of it)."""
     v = _literal(value)
     if isinstance(v, (list, tuple)) and v:
-        v = max(v)
+        v = max(v, key=lambda x: x if isinstance(x, (int, float)) else 0)
     try:
         stride = int(float(v))
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return None
-    return stride if stride > 0 else None
+    return stride if 0 < stride <= MAX_STRIDE and stride & (stride - 1) == 0 else None
 
 
 def _imgsz(value: Any) -> list[int] | None:
     v = _literal(value)
     if isinstance(v, int):
         v = [v, v]
-    if isinstance(v, (list, tuple)) and len(v) == 2 and all(isinstance(x, int) and x > 0 for x in v):
+    if isinstance(v, (list, tuple)) and len(v) == 2 and all(isinstance(x, int) and 0 < x <= MAX_SIDE for x in v):
         return [int(v[0]), int(v[1])]
     return None
+
+
+def check_fixed_input(batch: int | None, height: int | None, width: int | None, source: Any) -> None:
+    """The fixed batch and input size a graph or engine states are ones the evaluator may allocate: the images are
+    letterboxed into (and a short last batch padded to) exactly these sizes."""
+    if batch is not None and not 0 < batch <= MAX_BATCH:
+        raise QATError(f"{source} states a fixed batch of {batch} (at most {MAX_BATCH} is evaluated); export it "
+                       f"again with --dynamic or a smaller --batch-size.")
+    for side in (height, width):
+        if side is not None and not 0 < side <= MAX_SIDE:
+            raise QATError(f"{source} states a fixed input of {height}x{width} pixels (at most {MAX_SIDE} a side is "
+                           f"evaluated); export it again with --dynamic or a smaller --imgsz.")
 
 
 @dataclass

@@ -135,7 +135,7 @@ def artifact_stride(stride: int | None, source: str | Path, where: str) -> int:
     """The stride an exported graph or engine records, or :data:`DEFAULT_STRIDE` with a warning naming
     ``where`` it should have been (its metadata or sidecar)."""
     if stride is None:
-        warnings.warn(f"{where} is missing or has no stride; assuming {DEFAULT_STRIDE} for {Path(source).name} "
+        warnings.warn(f"{where} is missing or has no usable stride (a power of two up to 128); assuming {DEFAULT_STRIDE} for {Path(source).name} "
                       f"(export with export_qat.py and build with scripts/generate_trt_engine.sh to record it).",
                       stacklevel=3)
         return DEFAULT_STRIDE

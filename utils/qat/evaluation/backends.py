@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from utils.qat.core import yolov9
-from utils.qat.core.artifact import ArtifactMeta, is_end2end, task_from_outputs
+from utils.qat.core.artifact import ArtifactMeta, check_fixed_input, is_end2end, task_from_outputs
 from utils.qat.core.device import exact_int8_dot
 from utils.qat.core.errors import QATError
 from utils.qat.evaluation.openvino_core import shared_core
@@ -90,6 +90,7 @@ class _GraphBackend:
         b, _, h, w = input_shape
         self.batch_size = b if isinstance(b, int) else None
         self.imgsz = (h, w) if isinstance(h, int) and isinstance(w, int) else None
+        check_fixed_input(self.batch_size, *(self.imgsz or (None, None)), path)
         self.output_names = output_names
         self.end2end = is_end2end(output_names)
         meta = ArtifactMeta.read(metadata)

@@ -9,6 +9,7 @@ from pathlib import Path
 import yaml
 
 from utils.qat.core.errors import QATError
+from utils.qat.evaluation import label_cache
 
 IMAGE_SUFFIXES = {".bmp", ".dng", ".jpeg", ".jpg", ".mpo", ".png", ".tif", ".tiff", ".webp", ".pfm"}
 # the YOLOv9 tree this file was patched into: as many folders up as the module name has dots (utils.qat....)
@@ -152,7 +153,7 @@ def dataloader(data: dict, split: str, imgsz: int, batch_size: int, stride: int,
     kwargs = dict(single_cls=False, hyp=hyp, augment=hyp is not None, pad=0.5 if rect else 0.0, rect=rect,
                   workers=min(workers, os.cpu_count() or 1), shuffle=shuffle, prefix=prefix or f"{split}: ",
                   rank=local_rank)
-    with _scan_reported_once():
+    with _scan_reported_once(), label_cache.guarded():
         if masks:
             from utils.segment.dataloaders import create_dataloader as create_seg_dataloader
             loader, dataset = create_seg_dataloader(data[split], imgsz, batch_size, stride, mask_downsample_ratio=1,

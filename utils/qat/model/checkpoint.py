@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from utils.qat import __version__
 from utils.qat.core import provenance, yolov9
-from utils.qat.model import safe_load, structure
+from utils.qat.model import bounds, safe_load, structure
 from utils.qat.core.atomic import write_bytes
 from utils.qat.core.errors import QATError
 
@@ -66,6 +66,7 @@ def load_fp(path: str | os.PathLike, task: str = "detect", ckpt: dict | None = N
                        "model; pass the original weights (e.g. yolov9-c-converted.pt).")
     check_task(ckpt, path, task)
     model = (ckpt.get("ema") or ckpt["model"]).float().eval()
+    bounds.check_geometry(model, str(path))
     if not hasattr(model, "names") or not model.names:
         model.names = ckpt.get("names") or {i: str(i) for i in range(int(model.nc))}
     if isinstance(model.names, (list, tuple)):
@@ -103,13 +104,31 @@ def save_quantized(path: str | os.PathLike, model: nn.Module, info, *, epoch: in
     return write_bytes(path, buffer.getbuffer())
 
 
+def stored_state(ckpt: dict, source: str) -> dict[str, torch.Tensor]:
+    """The checkpoint's state dict: names to tensors, or a QATError sentence."""
+    state = ckpt.get("state_dict")
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                              for k, v in state.items()):
+        raise QATError(f"{source} was not loaded: its state_dict is not a table of named tensors; "
+                       f"{bounds.FIX}.")
+    return state
+
+
 def rebuild(ckpt: dict, source: str = "the checkpoint") -> nn.Module:
     """A fused FP model built from the checkpoint's yaml, its layers made as ``structure`` records them (a
-    checkpoint written before that field existed: as the yaml builds them); ``source`` names it in errors."""
+    checkpoint written before that field existed: as the yaml builds them); ``source`` names it in errors. The
+    yaml's size and every recorded layer are checked against the weights the file stores before they are built
+    (``utils.qat.model.bounds``)."""
     from utils.qat.quantize.model_quant import fuse
-    model = fuse(yolov9.build(ckpt["yaml"], ckpt["nc"], task=ckpt.get("task", "detect")).float())
-    if "structure" in ckpt:
-        structure.apply(model, ckpt["structure"], source)
+    task = ckpt.get("task", "detect")
+    state = stored_state(ckpt, source)
+    bounds.check_yaml_size(ckpt.get("yaml"), ckpt.get("nc"), task, state, source)
+    layers = ckpt.get("structure")
+    if layers is not None and not isinstance(layers, dict):
+        raise QATError(f"{source} was not loaded: its structure record is not a table of layers; {bounds.FIX}.")
+    model = fuse(yolov9.build(ckpt["yaml"], ckpt["nc"], task=task).float())
+    if layers is not None:
+        structure.apply(model, layers, source, state)
     return model
 
 
@@ -132,6 +151,8 @@ def load_quantized(path: str | os.PathLike, task: str = "detect", ckpt: dict | N
         raise QATError(f"{path} was not loaded: its model yaml has {code}, which building the model would run as "
                        f"Python code; if you trust the file, pass --trust-weights to build it anyway.")
     model = rebuild(ckpt, str(path))
+    bounds.check_geometry(model, str(path))  # the yaml's own arguments (a Conv's padding) size activations too
+    bounds.check_modelopt_state(ckpt.get("modelopt_state"), ckpt["state_dict"], str(path))
     rules.register_yolov9_modules()
     model = use_qdq_rounding(mto.restore_from_modelopt_state(model, ckpt["modelopt_state"]))
     misfit = structure.misfit(model, ckpt["state_dict"])

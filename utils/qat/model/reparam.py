@@ -383,6 +383,8 @@ def load_training_model(path: str | Path, trust: bool = False) -> nn.Module:
     model = ckpt.get("ema") or ckpt.get("model")
     if not isinstance(getattr(model, "model", None), nn.Sequential):
         raise QATError(f"{path} holds no YOLOv9 layer list; pass a checkpoint written by YOLOv9 train_dual.py.")
+    from utils.qat.model.bounds import check_geometry
+    check_geometry(model, str(path))
     return model
 
 

@@ -62,8 +62,14 @@ What a pickle can still reach, and why each is safe:
   (``opt``): a path is built from its parts and nothing reads it (``PosixPath`` of another OS loads as its pure
   path: the full pickle fails on it).
 
+Sizes, before and after the pickle: :func:`check_records` refuses a zip record stored compressed (torch.save never
+compresses, and a compressed record of a few kilobytes can unpack to any size), so what torch.load reads never
+exceeds the file; :func:`check_spans` refuses a loaded tensor that spans more elements than its storage holds (zero
+strides state any shape over a few bytes), so every shape checked against the stored tensors later
+(``utils.qat.model.bounds``) is backed by the file's own bytes.
+
 Not covered here: a quantized checkpoint's model yaml, which ``checkpoint.load_quantized`` builds with
-``parse_model`` after loading; ``yolov9.code_in_cfg`` checks it first.
+``parse_model`` after loading; ``yolov9.code_in_cfg`` checks it first, ``bounds.check_yaml_size`` its size.
 """
 from __future__ import annotations
 
@@ -670,9 +676,61 @@ def _full_pickle(path: Path) -> Any:
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
+def check_records(path: Path) -> None:
+    """Every record of the checkpoint's zip is stored as it is (torch.save never compresses): what torch.load reads
+    can then never exceed the file's own size, where a compressed record of a few kilobytes could unpack to any."""
+    import zipfile
+    try:
+        with zipfile.ZipFile(path) as z:
+            infos = z.infolist()
+    except (zipfile.BadZipFile, OSError):
+        return  # not a zip: pickle_of says what it is
+    packed = next((i.filename for i in infos if i.compress_type != zipfile.ZIP_STORED), None)
+    if packed is not None:
+        raise QATError(f"{path} was not loaded: its record {packed} is compressed, which torch.save never does (it "
+                       f"could unpack to more than the file holds); {TRUST_HINT}.")
+    size = os.path.getsize(path)
+    if sum(i.file_size for i in infos) > size:
+        raise QATError(f"{path} was not loaded: its records add up to more bytes than the file has; {TRUST_HINT}.")
+
+
+def tensors_in(obj: Any, seen: set[int] | None = None):
+    """Every tensor of a loaded checkpoint: in its dicts, lists and tuples, and the parameters and buffers of its
+    modules."""
+    import torch
+    import torch.nn as nn
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, nn.Module):
+        yield from (t for m in obj.modules() for t in (*m._parameters.values(), *m._buffers.values())
+                    if t is not None)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from tensors_in(v, seen)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from tensors_in(v, seen)
+
+
+def check_spans(path: Path, obj: Any) -> None:
+    """No tensor of the loaded checkpoint spans more elements than its storage holds: a tensor of a few stored
+    bytes may not state a shape of millions of elements through zero strides, since everything sized by it
+    (a layer made to hold it, a copy) would take that memory."""
+    for t in tensors_in(obj):
+        held = t.untyped_storage().nbytes() - t.storage_offset() * t.element_size()
+        if t.numel() * t.element_size() > held:
+            raise QATError(f"{path} was not loaded: it holds a tensor of shape {tuple(t.shape)} built from "
+                           f"{max(held, 0)} stored bytes, which torch.save never writes; {TRUST_HINT}.")
+
+
 def _restricted(path: Path) -> Any:
     import torch
     names = Globals()
+    check_records(path)
     try:
         found = scan(path, names=names)
     except Refused as e:
@@ -684,10 +742,12 @@ def _restricted(path: Path) -> Any:
                        f"pickle reads; {TRUST_HINT} (or save it again with a newer torch).") from None
     try:
         with torch.serialization.safe_globals(names.safe(found.names)):
-            return torch.load(path, map_location="cpu", weights_only=True)
+            loaded = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:  # the second guard refused what the scan let through
         raise QATError(f"{path} was not loaded: it holds an object that YOLOv9 checkpoints do not contain; "
                        f"{TRUST_HINT}.") from e
+    check_spans(path, loaded)
+    return loaded
 
 
 def load(path: str | os.PathLike, trust: bool = False) -> Any:

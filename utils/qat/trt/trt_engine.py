@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence, Union
 
-from utils.qat.core.artifact import ArtifactMeta, is_end2end, read_props, task_from_outputs
+from utils.qat.core.artifact import ArtifactMeta, check_fixed_input, is_end2end, read_props, task_from_outputs
 from utils.qat.core.atomic import atomic_path, write_text
 from utils.qat.core.errors import QATError
 from utils.qat.trt.trt_common import (INSTALL_TENSORRT, check_batches, check_plugin_files, profile_shapes, release,
@@ -507,6 +507,7 @@ class TRTBackend:
         self.batch_size: int | None = mn[0] if mn[0] == mx[0] else None
         self.imgsz: tuple[int, int] | None = (mn[2], mn[3]) if (mn[2], mn[3]) == (mx[2], mx[3]) else None
         self._hw_range = ((mn[2], mn[3]), (mx[2], mx[3]))
+        check_fixed_input(self.max_batch, mx[2], mx[3], self.engine_path)
         self.fp16 = inp.dtype == torch.float16
         out_names = [o.name for o in self.outputs]
         self.end2end = is_end2end(out_names)
