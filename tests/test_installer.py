@@ -353,6 +353,9 @@ def test_ci_runs_readme_test_command_exactly():
     ci = (REPO / ".ci" / "run").read_text()
     assert f"readme_tests='{line}'" in ci
     assert 'bash -c "$readme_tests"' in ci and "export YOLOV9_DIR" in ci
+    # the torch the tests see is the one README's line installs, pinned, and CI installs none of its own before it
+    assert line.startswith("python3 -m pip install torch==2.14.1 torchvision==0.29.1 && ")
+    assert ci.count("pip install torch") == 1, "CI must not install a torch other than README's line does"
     assert "5) " in ci  # pytest's 'no tests collected' fails CI
     # The second pass: README's pytest command, -m models, against the yolo9 stand-in (as README's paragraph says).
     models = '"${readme_tests##*&& } -m models"'

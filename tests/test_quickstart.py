@@ -10,11 +10,13 @@ import pytest
 from conftest import REPO
 
 
-# The quickstart as shipped: the default recipe on 8 calibration batches, 2 epochs x 32 steps. Measured on 2 CPU
-# cores (AP50-95 on the 64 val images): Origin 0.9330, PTQ 0.9250, QAT epochs 0.9281 0.9286 with one thread per
-# process (as the suite runs), 0.9283 0.9287 with two. From the default 25 batches (PTQ 0.9282) a short CPU run
-# gains nothing that holds: 0.9311 0.9294 with two threads, 0.9277 0.9256 with one. QAT_MARGIN keeps it meaningful.
-QAT_MARGIN = 0.001
+# The quickstart as shipped: the default recipe on 8 calibration batches, 2 epochs x 32 steps, on 64 val images. What
+# holds on every CPU (docs/QAT_CALIBRATION.md "The quickstart"): calibration keeps this small model within 0.006-0.008
+# of FP (Origin 0.9330; PTQ 0.9250, 0.9272, 0.9275 on three Intel hosts), and the short fine-tune moves it by about
+# +/- 0.003 around PTQ, in a direction that changes with the CPU (QAT epochs +0.0031/+0.0036, +0.0032/-0.0004,
+# +0.0001/-0.0017): no margin of QAT over PTQ holds across hosts, so none is asserted. INT8_MARGIN bounds what
+# either INT8 stage may lose, well outside those figures.
+INT8_MARGIN = 0.015
 # The exported graph against its checkpoint: rounding of the two runtimes, which moved YOLOv9-t's score on COCO by up
 # to 0.0038; a graph scored at another input size than the checkpoint moved this one by 0.0045.
 ORT_MARGIN = 0.004
@@ -43,16 +45,26 @@ def test_quickstart_end_to_end(tmp_path):
     (images,) = graph_io(weights / "qat_best_gelan-qs-shapes.onnx")["inputs"]
     assert images["shape"] == ["batch", 3, "height", "width"], images
 
-    rows = {m["name"]: m for m in json.loads((run / "report.json").read_text())["models"]}
+    report = json.loads((run / "report.json").read_text())
+    rows = {m["name"]: m for m in report["models"]}
     assert set(rows) == {"Origin", "PTQ", "QAT", "INT8 ONNX Runtime"}
-    # the same checkpoint on two runtimes: last-bit differences only (0.0001 on 2026-11-29)
-    ort, qat = rows["INT8 ONNX Runtime"], rows["QAT"]
-    assert abs(ort["AP"] - qat["AP"]) <= ORT_MARGIN, (ort, qat)
-    assert rows["QAT"]["AP"] >= rows["Origin"]["AP"] - 0.02
-    # fine-tuning beat calibration, by more than rounding
-    assert rows["QAT"]["AP"] > rows["PTQ"]["AP"] + QAT_MARGIN and rows["QAT"]["epoch"] >= 1, (rows["QAT"], rows["PTQ"])
+    origin, ptq, qat, ort = (rows[k]["AP"] for k in ("Origin", "PTQ", "QAT", "INT8 ONNX Runtime"))
+    # the same checkpoint on two runtimes: rounding only (0.0001 to 0.0018 seen)
+    assert abs(ort - qat) <= ORT_MARGIN, rows
+    # INT8 keeps the model, calibrated and fine-tuned alike
+    epochs = [e["AP"] for e in report["epochs"]]
+    assert min(ptq, *epochs) >= origin - INT8_MARGIN, (rows, epochs)
+    # fine-tuning ran as asked and trained the weights; qat_best is the best stage, PTQ included (never below it)
+    assert [e["steps"] for e in report["epochs"]] == [32, 32] and all(e["loss"] > 0 for e in report["epochs"])
+    assert qat == max(ptq, *epochs), (rows, epochs)
+    import torch
+    before = torch.load(next(weights.glob("ptq_ap_*.pt")), weights_only=True)["state_dict"]
+    after = torch.load(next(weights.glob("qat_ep_2_ap_*.pt")), weights_only=True)["state_dict"]
+    changed = [k for k, v in before.items() if k.endswith(".weight") and not torch.equal(v, after[k])]
+    assert len(changed) > 0.9 * sum(k.endswith(".weight") for k in before), len(changed)
     assert "INT8 ONNX Runtime" in (run / "report.md").read_text()
-    assert "Next, on your own model" in r.stdout
+    # what the table shows is said under it, and where QAT's gains are measured
+    assert "On this small model" in r.stdout and "Next, on your own model" in r.stdout
 
 
 def test_quickstart_default_folder_outside_the_checkout(tmp_path):
