@@ -129,7 +129,8 @@ def main(args: argparse.Namespace) -> dict:
                                                   "conf_thres": args.conf_thres, "iou_thres": args.iou_thres},
                                                  indent=2))
     if args.report:
-        reports.add_row(args.report, {**row, "name": args.report_name or f"INT8 {runtime}"})
+        reports.add_row(args.report, {**row, "name": args.report_name or f"INT8 {runtime}",
+                                      **reports.vs_reference(args.report, m)})
         print(f"added to {args.report} (and report.md beside it)")
     print()
     print(reports.table([row]))

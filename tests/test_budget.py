@@ -160,6 +160,59 @@ def test_paired_bootstrap_measures_the_difference_on_the_same_images(yolov9_tree
         PairedBootstrap(fp)(_images(41))
 
 
+def test_a_published_difference_carries_its_interval(yolov9_tree, tmp_path):
+    """The 95% interval of a difference holds the difference, is a point for a model against itself (a tie), lies
+    below 0 for a model that misses many more objects, and survives the FP statistics being kept on disk and read
+    back (as ``val_trt.py --report`` reads them) to the last digit; a file whose offsets lie is refused."""
+    import numpy as np
+
+    from utils.qat.core import compat
+    from utils.qat.evaluation import resample
+    compat.apply()
+    fp, worse = _images(40), _images(40, hit=0.7, seed=1)
+    same = resample.PairedBootstrap(fp)(_images(40))
+    assert same.interval == (0.0, 0.0) and same.tie
+    d = resample.PairedBootstrap(fp)(worse)
+    assert d.interval[0] < d.delta < d.interval[1] < 0 and not d.tie
+    assert d.interval[0] <= d.low  # the 2.5% quantile under the 10% one
+    assert resample.shown(d) == f"{d.delta:+.4f} [{d.interval[0]:+.4f}, {d.interval[1]:+.4f}]"
+    resample.save_images(fp, tmp_path / "fp.npz")
+    assert resample.PairedBootstrap(resample.load_images(tmp_path / "fp.npz"))(worse) == d
+    with np.load(tmp_path / "fp.npz") as z:
+        arrays = dict(z)
+    arrays["pred_offsets"][5] = 10 ** 9
+    np.savez(tmp_path / "lie.npz", **arrays)
+    with pytest.raises(ValueError, match="does not hold per-image statistics"):
+        resample.load_images(tmp_path / "lie.npz")
+
+
+def test_reports_show_the_interval_and_say_what_a_tie_is(yolov9_tree, tmp_path):
+    """report.md's comparison gives each difference from FP with its interval, and the sentence saying what an
+    interval that holds 0 means; a row added later (val_trt.py --report) gets its interval from the FP statistics
+    the run kept."""
+    import json
+
+    from utils.qat.core import compat
+    from utils.qat.evaluation import resample
+    from utils.qat.run import reports
+    compat.apply()
+    fp, worse = _images(40), _images(40, hit=0.7, seed=1)
+    resample.save_images(fp, tmp_path / resample.REFERENCE_FILE)
+    rows = [{"name": "Origin", "AP": 0.5, "AP50": 0.7, "Precision": 0.6, "Recall": 0.6}]
+    reports.write_report(tmp_path, rows, [], "t")
+    added = reports.vs_reference(tmp_path / "report.json", worse)
+    d = resample.PairedBootstrap(fp)(worse)
+    assert added == {"vs_origin": resample.record(d)}
+    reports.add_row(tmp_path / "report.json", {"name": "INT8 ONNX Runtime", "AP": 0.45, "AP50": 0.7,
+                                                "Precision": 0.6, "Recall": 0.6, **added})
+    md = (tmp_path / "report.md").read_text()
+    low, high = added["vs_origin"]["interval"]
+    assert f"| INT8 ONNX Runtime vs Origin | -0.0500 [{low:+.4f}, {high:+.4f}] |" in md, md
+    assert reports.INTERVAL_NOTE in md
+    assert json.loads((tmp_path / "report.json").read_text())["models"][1]["vs_origin"] == added["vs_origin"]
+    assert reports.vs_reference(tmp_path / "elsewhere" / "report.json", worse) == {}  # no statistics kept: none
+
+
 def test_paired_bootstrap_draws_fewer_on_large_sets():
     """A bound's cost is bounded: 200 draws up to 100,000 predictions, fewer beyond, never below 50 (a caller's own
     smaller count stands)."""

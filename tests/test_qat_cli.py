@@ -55,6 +55,11 @@ def test_quantize_report(yolov9_tree, quantize_run):
     assert origin["AP"] > 0.5  # the embedded model is good at 128 px too
     assert abs(ptq["AP"] - origin["AP"]) < 0.1
     assert qat["AP"] >= ptq["AP"]  # the best QAT checkpoint never loses to its starting point
+    # every difference from FP carries its paired-bootstrap interval, kept in report.json and shown in report.md
+    low, high = ptq["vs_origin"]["interval"]
+    assert ptq["vs_origin"]["AP"] == pytest.approx(ptq["AP"] - origin["AP"], abs=2e-4) and low <= high
+    assert f"[{low:+.4f}, {high:+.4f}]" in (run / "report.md").read_text()
+    assert (run / "origin_images.npz").is_file()  # what val_trt.py --report pairs the graph's score with
     assert report["epochs"] and report["epochs"][0]["epoch"] == 1
     args = report["arguments"]  # the run records every argument it was given, in report.json and checkpoints
     assert args["cmd"] == "quantize" and args["task"] == "detect" and "calib_batches" in args and "lr" in args

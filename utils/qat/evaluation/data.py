@@ -24,6 +24,10 @@ NO_HYP = "none"  # --hyp none: fine-tune on the images as they are
 # mask term's weight", and docs/QAT_CALIBRATION.md "`mse-image` on the GPU, and the calibration default per task").
 # Segmentation on natural images is unmeasured.
 DEFAULT_HYPS: dict[str, str | None] = {"detect": f"{HYPS}/hyp.scratch-high.yaml", "segment": None}
+#: The evaluation protocol: rectangular letterbox shapes are fixed per group of this many images (upstream's order:
+#: sorted by aspect ratio), whatever batch they then run in, so that a score does not depend on --batch-size.
+#: Upstream's val.py fixes them per batch of its --batch-size, whose default is 32: at that default the two agree.
+RECT_GROUP = 32
 
 
 def data_argument(value: str | None) -> str:
@@ -140,9 +144,14 @@ def check_classes(data: dict, split: str) -> None:
 
 def dataloader(data: dict, split: str, imgsz: int, batch_size: int, stride: int, *, workers: int = 8,
                rect: bool = True, shuffle: bool = False, hyp: dict | None = None, prefix: str = "",
-               local_rank: int = -1, masks: bool = False, seed: int | None = None):
+               local_rank: int = -1, masks: bool = False, seed: int | None = None, group: int | None = None):
     """Upstream's dataloader: validation form (letterbox, pad 0.5, rect) by default; with ``hyp``, the
     training form with upstream's augmentation. Returns ``(loader, dataset)``.
+
+    ``group`` (with ``rect``, one process, no shuffle: the evaluation protocol, :data:`RECT_GROUP`): the
+    rectangular shapes are upstream's for batches of ``group`` images, and the loader cuts each such group into
+    batches of at most ``batch_size`` (:class:`GroupedBatches`), so every image gets the same letterbox whatever
+    ``batch_size`` is. Without it, upstream's: the shapes follow the batches.
 
     ``local_rank`` >= 0 (a process of a multi-GPU run, process group joined): ``batch_size`` images per
     process from upstream's ``DistributedSampler`` shard, rank r reading images r, r + W, r + 2W, ...
@@ -150,18 +159,43 @@ def dataloader(data: dict, split: str, imgsz: int, batch_size: int, stride: int,
     ``masks``: upstream's segmentation dataloader, whose batches add one mask per instance at input
     resolution (as upstream ``segment/val.py`` evaluates). ``seed``: the shuffle order and the random streams
     of the workers' augmentation (``_reseeded``)."""
+    grouped = group is not None and rect and not shuffle and local_rank < 0
+    workers = min(workers, os.cpu_count() or 1)
     kwargs = dict(single_cls=False, hyp=hyp, augment=hyp is not None, pad=0.5 if rect else 0.0, rect=rect,
-                  workers=min(workers, os.cpu_count() or 1), shuffle=shuffle, prefix=prefix or f"{split}: ",
+                  workers=0 if grouped else workers, shuffle=shuffle, prefix=prefix or f"{split}: ",
                   rank=local_rank)
+    shapes_batch = group if grouped else batch_size
     with _scan_reported_once(), label_cache.guarded():
         if masks:
             from utils.segment.dataloaders import create_dataloader as create_seg_dataloader
-            loader, dataset = create_seg_dataloader(data[split], imgsz, batch_size, stride, mask_downsample_ratio=1,
-                                                    overlap_mask=False, **kwargs)
+            loader, dataset = create_seg_dataloader(data[split], imgsz, shapes_batch, stride,
+                                                    mask_downsample_ratio=1, overlap_mask=False, **kwargs)
         else:
             from utils.dataloaders import create_dataloader
-            loader, dataset = create_dataloader(data[split], imgsz, batch_size, stride, **kwargs)
+            loader, dataset = create_dataloader(data[split], imgsz, shapes_batch, stride, **kwargs)
+    if grouped:  # the dataset was made with no workers: the loader that reads it gets them, as upstream sizes them
+        readers = min(workers, batch_size if batch_size > 1 else 0)
+        loader = type(loader)(dataset, batch_sampler=GroupedBatches(len(dataset), group, batch_size),
+                              num_workers=readers, pin_memory=loader.pin_memory, collate_fn=loader.collate_fn,
+                              worker_init_fn=loader.worker_init_fn, generator=loader.generator)
     return (loader if seed is None else _reseeded(loader, seed, local_rank)), dataset
+
+
+class GroupedBatches:
+    """Batch sampler: the indices 0..n-1 in order, in batches of at most ``batch_size`` that never cross a group of
+    ``group`` (a group's images share one letterbox shape; a batch must)."""
+
+    def __init__(self, n: int, group: int, batch_size: int):
+        self.n, self.group, self.batch_size = n, group, batch_size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for start in range(0, self.n, self.group):
+            end = min(start + self.group, self.n)
+            for first in range(start, end, self.batch_size):
+                yield list(range(first, min(first + self.batch_size, end)))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ choice (``utils.qat.run.reports.selection``).
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import time
 from collections.abc import Sequence
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from utils.qat.core.atomic import write_text
-from utils.qat.evaluation.data import dataloader
+from utils.qat.evaluation.data import RECT_GROUP, dataloader
 from utils.qat.evaluation.detect import DetectHooks, match
 from utils.qat.evaluation.evaluate_seg import SegmentHooks
 from utils.qat.core.progress import progress
@@ -92,13 +93,22 @@ def half_of(paths: Sequence[str]) -> list[str]:
     return [HALVES[position[p] % 2] for p in paths]
 
 
+def batch_lengths(loader) -> list[int]:
+    """How many images each batch of one pass of ``loader`` holds, in order (upstream's InfiniteDataLoader keeps its
+    batch sampler inside a repeating one)."""
+    sampler = loader.batch_sampler
+    return [len(b) for b in getattr(sampler, "sampler", sampler)]
+
+
 def val_batches(backend: Backend, data: dict, make_loader, *, imgsz: int, batch_size: int, workers: int,
                 num_images: int | None, desc: str, loaders: dict | None = None):
     """The val split as ``backend`` takes it: ``(limit, batches)``, ``limit`` the number of images to score and
     ``batches`` yielding ``(images, targets, paths, shapes, *rest)`` of upstream's dataloader
     (``make_loader``), images float in [0, 1] on the backend's device, target boxes in input pixels, with a
     progress bar, for as many batches as ``limit`` images fill. Fixed-size graphs and engines get their own
-    batch size and input size (letterboxed squares); others get upstream's rect batches.
+    batch size and input size (letterboxed squares); others get upstream's rect shapes, fixed per group of
+    ``data.RECT_GROUP`` images whatever ``batch_size`` is (the evaluation protocol: a score does not depend on the
+    batch it ran in).
 
     ``loaders``: a dict that keeps the loader of a pass over every image for the next one with the same sizes
     (a run's evaluations after each stage): upstream's loader keeps its workers, which read the first batches of
@@ -114,12 +124,13 @@ def val_batches(backend: Backend, data: dict, make_loader, *, imgsz: int, batch_
     made = loaders.get(key) if loaders is not None and num_images is None else None
     if made is None:
         made = make_loader(data, "val", imgsz, batch_size, backend.stride, workers=workers, rect=rect,
-                           prefix=f"{desc}: ")
+                           prefix=f"{desc}: ", group=RECT_GROUP)
         if loaders is not None and num_images is None:
             loaders[key] = made
     loader, dataset = made
     limit = len(dataset) if num_images is None else min(num_images, len(dataset))
-    n_batches = (limit + batch_size - 1) // batch_size
+    filled = itertools.accumulate(batch_lengths(loader))
+    n_batches = next((i + 1 for i, n in enumerate(filled) if n >= limit), 0)
 
     def batches():
         for i, (im, targets, *rest) in enumerate(progress(loader, total=n_batches, desc=desc)):

@@ -34,10 +34,11 @@ def run_dir(project: str | Path, name: str, exist_ok: bool) -> Path:
 
 def previous_run(run_dir: Path, stem: str) -> list[Path]:
     """The files ``qat.py quantize`` of the weights ``stem`` wrote in ``run_dir``: its reports, checkpoints
-    (``ptq_*``, ``qat_ep_*``, ``qat_best_*``), the accuracy budget's image lists and any temporary file a killed run
-    left behind."""
+    (``ptq_*``, ``qat_ep_*``, ``qat_best_*``), the accuracy budget's image lists, the FP model's per-image statistics
+    (``resample.REFERENCE_FILE``) and any temporary file a killed run left behind."""
     run_dir, weights = Path(run_dir), Path(run_dir) / "weights"
-    files = [run_dir / n for n in ("report.json", "report.md", "qat_ap.png", "holdout/fit.txt", "holdout/holdout.txt")]
+    files = [run_dir / n for n in ("report.json", "report.md", "qat_ap.png", "holdout/fit.txt", "holdout/holdout.txt",
+                                   "origin_images.npz")]
     for pattern in (f"ptq_ap_*_{stem}.pt", f"ptq_{stem}.pt", f"qat_ep_*_ap_*_{stem}.pt", f"qat_best_{stem}.pt",
                     PARTIAL):
         files += sorted(weights.glob(pattern))
@@ -111,6 +112,11 @@ def seg_table(rows: list[dict], first: str = "Model") -> str:
     return "\n".join(lines)
 
 
+INTERVAL_NOTE = ("[low, high] beside an AP difference: its 95% paired-bootstrap interval (the evaluation images drawn "
+                 "again with replacement, both models scored on each draw). A difference whose interval holds 0 is a "
+                 "tie: these images cannot tell the two models apart.")
+
+
 def deltas(rows: list[dict], reference: str = "Origin") -> list[dict]:
     """Rows 'X vs Origin' with signed differences, as in the reference README's comparison table."""
     base = next((r for r in rows if r["name"] == reference), None)
@@ -124,6 +130,9 @@ def deltas(rows: list[dict], reference: str = "Origin") -> list[dict]:
         d = {"name": f"{label} vs {reference}"}
         for c in COLUMNS:
             d[c] = f"{r[c] - base[c]:+.4f}"
+        interval = (r.get("vs_origin") or {}).get("interval") if reference == "Origin" else None
+        if interval:  # the published form: the difference and its 95% paired-bootstrap interval
+            d["AP"] += f" [{interval[0]:+.4f}, {interval[1]:+.4f}]"
         for g in SEG_GROUPS:
             if g in r and g in base:
                 d[g] = {c: f"{r[g][c] - base[g][c]:+.4f}" for c in SEG_COLUMNS}
@@ -136,6 +145,8 @@ def comparison_markdown(rows: list[dict], title: str, selection: dict | None = N
     diff = deltas(rows)
     if diff:
         parts += ["", "## Evaluation comparison", "", table(diff, first="Comparison")]
+        if any("[" in str(d.get("AP")) for d in diff):
+            parts += ["", INTERVAL_NOTE]
     if selection:
         parts += ["", "## Selection", "", SELECTION_NOTE, "", selection_table(selection)]
     if budget:
@@ -248,6 +259,22 @@ def write_report(run_dir: Path, rows: list[dict], epochs: list[dict], title: str
     write_text(run_dir / "report.md", comparison_markdown(rows, title, meta.get("selection"), meta.get("budget")))
     if epochs:
         plot_epochs(run_dir / "qat_ap.png", epochs, rows)
+
+
+def vs_reference(report_json: str | Path, metrics: Metrics) -> dict:
+    """``{"vs_origin": ...}`` for an evaluation added to a run's report: its difference from that run's FP model with
+    the paired-bootstrap interval, from the FP per-image statistics the run kept beside report.json; nothing where
+    the run kept none, or scored other images (then a notice says why)."""
+    from utils.qat.evaluation import resample
+    kept = Path(report_json).parent / resample.REFERENCE_FILE
+    if not kept.is_file():
+        return {}
+    try:
+        paired = resample.PairedBootstrap(resample.load_images(kept))(metrics)
+    except (ValueError, KeyError, OSError) as e:
+        print(f"notice: no interval against FP for this row ({e}).")
+        return {}
+    return {"vs_origin": resample.record(paired)}
 
 
 def add_row(report_json: str | Path, row: dict) -> None:

@@ -76,6 +76,7 @@ class RunRecorder:
         self.finetuned = False
         self.kept: tuple[Any, float] | None = None  # the budget's last kept model, as scored: (metrics, seconds)
         self.origin_metrics = None  # the FP model's evaluation, what the budget's model is compared with
+        self.paired = None  # the paired bootstrap over the FP model's per-image statistics (resample.py)
 
     def save_report(self) -> None:
         if self.epochs:
@@ -92,7 +93,19 @@ class RunRecorder:
         m, sec = self.score(fp, "Origin")
         self.origin_metrics = m
         self.rows.append(reports.entry("Origin", self.weights, m, sec))
+        if m.per_image:  # every later evaluation of these images gets its interval against FP, val_trt.py's too
+            from utils.qat.evaluation import resample
+            self.paired = resample.PairedBootstrap(m)
+            resample.save_images(m, self.out / resample.REFERENCE_FILE)
         self.save_report()
+
+    def _vs_origin(self, m: Any) -> dict:
+        """``{"vs_origin": ...}``: the evaluation's difference from FP with its paired-bootstrap interval (nothing
+        where FP was not evaluated)."""
+        if self.paired is None:
+            return {}
+        from utils.qat.evaluation import resample
+        return {"vs_origin": resample.record(self.paired(m))}
 
     def ptq(self, qmodel: nn.Module, info: QuantInfo, calibration_seconds: float, finetuning: bool) -> None:
         self.meta["calibration_seconds"] = round(calibration_seconds, 1)
@@ -104,7 +117,7 @@ class RunRecorder:
             self.kept = (m, sec)
             self.ptq_ap = self.best_ap = m.mAP50_95
             path = self.wdir / f"ptq_ap_{m.mAP50_95:.4f}_{self.stem}.pt"
-            self.rows.append(reports.entry("PTQ", path, m, sec, calib_method=info.config.method))
+            self.rows.append(reports.entry("PTQ", path, m, sec, calib_method=info.config.method, **self._vs_origin(m)))
         else:
             path = self.wdir / f"ptq_{self.stem}.pt"
         self._save(path, qmodel, info, 0, self.rows[-1] if self.ptq_ap is not None else None)
@@ -117,7 +130,7 @@ class RunRecorder:
         epoch = result.epoch + 1
         m, sec = self.score(qmodel, f"QAT epoch {epoch}")
         path = self.wdir / f"qat_ep_{epoch}_ap_{m.mAP50_95:.4f}_{self.stem}.pt"
-        row = reports.entry(f"QAT epoch {epoch}", path, m, sec)
+        row = reports.entry(f"QAT epoch {epoch}", path, m, sec, **self._vs_origin(m))
         self._save(path, qmodel, info, epoch, row)
         self.epochs.append({"epoch": epoch, **ap_record(m), "halves": reports.halves(m), "loss": result.loss,
                             "loss_terms": result.terms, "steps": result.steps, "graph_steps": result.graph_steps,
@@ -150,7 +163,8 @@ class RunRecorder:
         as under ``--no-eval-ptq``), saved as ``qat_best``."""
         m, sec = self.kept or self.score(qmodel, "INT8 (budget)")
         row = reports.entry("Budget", self.best_path, m, sec, calib_method=info.config.method,
-                            fp_layers=summary.get("fp_layers", []), int8_share=summary.get("int8_share"))
+                            fp_layers=summary.get("fp_layers", []), int8_share=summary.get("int8_share"),
+                            **self._vs_origin(m))
         self._save(self.best_path, qmodel, info, None, row)
         self.rows.append(row)
         summary["evaluation_AP"] = row["AP"]
