@@ -196,7 +196,8 @@ class OpenVINOBackend(_GraphBackend):
     """Runs an exported ONNX graph (plain or End2End) with OpenVINO on the CPU. OpenVINO reads each Q/DQ pair
     as a FakeQuantize and runs the quantized convolutions with INT8 kernels; what stays in floating point runs
     in ``precision`` ('f32' by default: CPUs with AMX or AVX512-BF16 would otherwise run it in bf16, OpenVINO's
-    default there, and score another model than the graph).
+    default there, and score another model than the graph; None: OpenVINO's default, as users run it, which
+    :attr:`precision` then names). It also opens an OpenVINO IR (``.xml``, e.g. NNCF's), for timing.
 
     ``threads``: inference threads (None: OpenVINO's default, every core); ``shape``: (B, 3, H, W) to fix the
     input shape before compiling (a dynamic graph runs at any shape, a static shape runs faster);
@@ -215,7 +216,7 @@ class OpenVINOBackend(_GraphBackend):
     runtime = "OpenVINO"
 
     def __init__(self, onnx_path: str | Path, device: torch.device | str = "cpu", *, threads: int | None = None,
-                 shape: Sequence[int] | None = None, precision: str = "f32", profile: bool = False):
+                 shape: Sequence[int] | None = None, precision: str | None = "f32", profile: bool = False):
         ov = require_openvino()
         onnx_path = Path(onnx_path)
         if not onnx_path.is_file():
@@ -227,8 +228,9 @@ class OpenVINOBackend(_GraphBackend):
             model = core.read_model(str(onnx_path))
             if shape is not None:
                 model.reshape({model.inputs[0].get_any_name(): ov.PartialShape([int(d) for d in shape])})
-            config = {"INFERENCE_PRECISION_HINT": precision, "PERFORMANCE_HINT": "LATENCY",
-                      "PERF_COUNT": bool(profile)}
+            config = {"PERFORMANCE_HINT": "LATENCY", "PERF_COUNT": bool(profile)}
+            if precision is not None:  # None: OpenVINO's own choice for this CPU (bf16 where AMX or AVX512-BF16)
+                config["INFERENCE_PRECISION_HINT"] = precision
             if threads:
                 config["INFERENCE_NUM_THREADS"] = int(threads)
             self.compiled = core.compile_model(model, "CPU", config)
@@ -239,6 +241,8 @@ class OpenVINOBackend(_GraphBackend):
                            f"--nms onnx to evaluate here).") from e
         self.request = self.compiled.create_infer_request()
         self.version = ov.get_version()
+        #: the precision OpenVINO computes floating point in, as compiled ('f32', 'bf16', 'f16')
+        self.precision = self.compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name()
         framework = model.get_rt_info()["framework"] if model.has_rt_info("framework") else {}
         metadata = {k: model.get_rt_info(["framework", k]).astype(str) for k in framework}
         self.quantized = any(op.get_type_name() == "FakeQuantize" for op in model.get_ops())

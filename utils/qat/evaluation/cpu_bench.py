@@ -10,7 +10,11 @@ INT8 speed-up (FP32 median / INT8 median); per machine: the CPU, its cores, the 
 depends on (AVX2; AVX512-VNNI / AVX-VNNI: 8-bit dot products; AMX: tile matrix units), the load average
 before and after, and the runtimes' versions. OpenVINO runs what its INT8 kernels do not cover in FP32
 (``INFERENCE_PRECISION_HINT`` f32: on AMX or AVX512-BF16 CPUs it would otherwise choose bf16, and the FP32
-column would not be FP32); on those CPUs the FP32 graph is timed in bf16 as well (:data:`BF16`). For each OpenVINO INT8 graph, a few profiled inferences add its execution graph:
+column would not be FP32). The baseline users run is OpenVINO's default precision, which OpenVINO is asked for
+(not guessed from the CPU's flags): where it is not f32 (bf16 on AMX or AVX512-BF16 CPUs) the FP32 graph is timed
+at it too (:data:`DEFAULT`), in the same rounds, and every row gives the INT8 speed-up over both (ONNX Runtime's
+default is f32). A graph may be an OpenVINO IR (``.xml``, e.g. NNCF's), timed on OpenVINO only. For each
+OpenVINO INT8 graph, a few profiled inferences add its execution graph:
 the convolutions by the precision they ran in, those left in floating point by name with the reason read
 from the ONNX graph, and the share of time spent in each precision.
 
@@ -37,9 +41,10 @@ from utils.qat.evaluation.backends import ONNX_RUNTIMES, RUNTIMES, OpenVINOBacke
 
 #: What is compared; FP32 is the baseline.
 PRECISIONS = ("FP32", "INT8")
-#: The FP32 graph on OpenVINO in bf16, timed too on CPUs with AMX-BF16 or AVX512-BF16, where OpenVINO picks bf16
-#: for floating point by default: what a user who does not pin f32 gets from the FP32 graph there.
-BF16 = "FP32 graph in bf16"
+#: The FP32 graph on OpenVINO at its default precision, timed too where that is not f32 (bf16 on CPUs with AMX-BF16
+#: or AVX512-BF16): what a user who does not pin f32 gets from the FP32 graph there.
+DEFAULT = "FP32 graph at the default precision"
+LEGACY_BF16 = "FP32 graph in bf16"  # the same row as results.json files before 2026-12-04 name it
 #: /proc/cpuinfo flags that decide INT8 (and bf16) speed on x86, as the report names them.
 ISA_FLAGS = {"avx2": "AVX2", "avx512f": "AVX512F", "avx512_vnni": "AVX512-VNNI", "avx_vnni": "AVX-VNNI",
              "avx512_bf16": "AVX512-BF16", "amx_tile": "AMX", "amx_int8": "AMX-INT8", "amx_bf16": "AMX-BF16"}
@@ -94,9 +99,12 @@ def versions(runtimes: Sequence[str]) -> dict[str, str | None]:
 
 # ----------------------------------------------------------------------------------------------- measuring
 def open_graph(runtime: str, path: str | os.PathLike, *, batch: int, imgsz: int, threads: int,
-               profile: bool = False, precision: str = "f32") -> ORTBackend | OpenVINOBackend:
+               profile: bool = False, precision: str | None = "f32") -> ORTBackend | OpenVINOBackend:
     """``path`` opened on ``runtime`` with ``threads`` threads for a batch x 3 x imgsz x imgsz input
-    (OpenVINO: what is not INT8 in ``precision``)."""
+    (OpenVINO: what is not INT8 in ``precision``, None for OpenVINO's default)."""
+    if runtime != "openvino" and Path(path).suffix.lower() == ".xml":
+        raise QATError(f"{path} is an OpenVINO IR, which {RUNTIMES.get(runtime, runtime)} cannot run; pass "
+                       f"--runtime openvino, or the ONNX graph.")
     if runtime == "openvino":
         return OpenVINOBackend(path, threads=threads, shape=(batch, 3, imgsz, imgsz), profile=profile,
                                precision=precision)
@@ -112,13 +120,19 @@ def open_graph(runtime: str, path: str | os.PathLike, *, batch: int, imgsz: int,
 
 
 def graph_stride(path: str | os.PathLike) -> int:
-    """The stride an exported graph records (``utils.qat.core.artifact``; 32 with a warning without one)."""
-    import onnx
-
+    """The stride an exported graph records (``utils.qat.core.artifact``; 32 with a warning without one). An
+    OpenVINO IR is read for its ONNX metadata where it kept it (NNCF keeps the source graph's ``framework`` info)."""
     from utils.qat.core import yolov9
     from utils.qat.core.artifact import ArtifactMeta, read_props
-    meta = ArtifactMeta.read(read_props(onnx.load(str(path), load_external_data=False)))
-    return yolov9.artifact_stride(meta.stride, path, f"the metadata of {path}")
+    if Path(path).suffix.lower() == ".xml":
+        from utils.qat.evaluation.openvino_core import shared_core
+        model = shared_core().read_model(str(path))
+        framework = model.get_rt_info()["framework"] if model.has_rt_info("framework") else {}
+        fields = {k: model.get_rt_info(["framework", k]).astype(str) for k in framework}
+    else:
+        import onnx
+        fields = read_props(onnx.load(str(path), load_external_data=False))
+    return yolov9.artifact_stride(ArtifactMeta.read(fields).stride, path, f"the metadata of {path}")
 
 
 def stats(times_ms: Sequence[float], batch: int) -> dict[str, Any]:
@@ -232,22 +246,25 @@ def measure(models: Mapping[str, Mapping[str, str | os.PathLike]], *, runtimes: 
     if "openvino" in runtimes:  # whether OpenVINO's INT8 outputs here are the graph's: asked of a probe graph
         from utils.qat.evaluation.openvino_probe import openvino_int8_error
         doc["machine"]["openvino_int8_error"] = openvino_int8_error()
-    isa = doc["machine"]["isa"] or {}
-    bf16 = bool(isa.get("AMX-BF16") or isa.get("AVX512-BF16"))
     rng = np.random.default_rng(seed)
     cases = [(name, runtime, b) for name in models for runtime in runtimes for b in batches]
     bar = progress(cases, desc="CPU benchmark", unit="case")
     for name, runtime, b in bar:
         x = rng.random((b, 3, imgsz, imgsz), dtype=np.float32)
         graphs = {p: open_graph(runtime, models[name][p], batch=b, imgsz=imgsz, threads=threads) for p in PRECISIONS}
-        if runtime == "openvino" and bf16:  # what OpenVINO does with the FP32 graph by default on this CPU
-            graphs[BF16] = open_graph(runtime, models[name]["FP32"], batch=b, imgsz=imgsz, threads=threads,
-                                      precision="bf16")
+        default = "f32"  # ONNX Runtime's CPU provider computes float graphs in f32
+        if runtime == "openvino":  # what OpenVINO does with the FP32 graph by default on this CPU
+            as_users_run = open_graph(runtime, models[name]["FP32"], batch=b, imgsz=imgsz, threads=threads,
+                                      precision=None)
+            default = as_users_run.precision
+            if default != "f32":
+                graphs[DEFAULT] = as_users_run
         times = time_pair(graphs, x, warmup=warmup, runs=runs)
         row = {"runtime": runtime, "batch": b, **{p: stats(times[p], b) for p in graphs}}
         row["speedup"] = round(row["FP32"]["median_ms"] / row["INT8"]["median_ms"], 3)
-        if BF16 in row:
-            row["speedup_vs_bf16"] = round(row[BF16]["median_ms"] / row["INT8"]["median_ms"], 3)
+        row["default_precision"] = default
+        baseline = row[DEFAULT] if DEFAULT in row else row["FP32"]
+        row["speedup_vs_default"] = round(baseline["median_ms"] / row["INT8"]["median_ms"], 3)
         entry = doc["models"].setdefault(name, {"graphs": {p: str(models[name][p]) for p in PRECISIONS},
                                                 "runs": []})
         entry["runs"].append(row)
@@ -277,6 +294,14 @@ def _as_written(error: float) -> str:
             f"it ran as written on the CPUs seen failing the probe: AVX2 alone, and an AMD EPYC Zen 4)")
 
 
+def _current(row: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A row of results.json in today's form (an older file timed a bf16 default under :data:`LEGACY_BF16`)."""
+    if LEGACY_BF16 in row and DEFAULT not in row:
+        return {**row, DEFAULT: row[LEGACY_BF16], "default_precision": "bf16",
+                "speedup_vs_default": row["speedup_vs_bf16"]}
+    return row
+
+
 def render_markdown(doc: Mapping[str, Any]) -> str:
     """The machine, then one table row per model, runtime and batch: FP32 and INT8 latency (median, 10th-90th
     percentile), images per second, and the INT8 speed-up; then OpenVINO's INT8 execution graph per model."""
@@ -295,26 +320,30 @@ def render_markdown(doc: Mapping[str, Any]) -> str:
            f"| settings | {s['imgsz']} px, {s['warmup']} warm-up + {s['runs']} timed rounds per case (FP32 and "
            f"INT8 alternating), {s['input']}; OpenVINO non-INT8 parts in {s['openvino_precision']} |",
            "", "### FP32 vs INT8", "",
-           "| model | runtime | batch | FP32 ms (p10-p90) | INT8 ms (p10-p90) | FP32 img/s | INT8 img/s | INT8 speed-up |",
-           "|---|---|---:|---:|---:|---:|---:|---:|"]
-    for name, entry in doc["models"].items():
-        for r in entry["runs"]:
-            f, i = r["FP32"], r["INT8"]
-            out.append(f"| {name} | {RUNTIMES.get(r['runtime'], r['runtime'])} | {r['batch']} | "
-                       f"{f['median_ms']:.1f} ({_spread(f)}) | {i['median_ms']:.1f} ({_spread(i)}) | "
-                       f"{f['images_per_s']:.1f} | {i['images_per_s']:.1f} | **{r['speedup']:.2f}x** |")
+           "| model | runtime | batch | FP32 ms (p10-p90) | INT8 ms (p10-p90) | FP32 img/s | INT8 img/s | "
+           "INT8 vs FP32 in f32 | INT8 vs FP32 at the default precision |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    runs = [(name, _current(r)) for name, entry in doc["models"].items() for r in entry["runs"]]
+    for name, r in runs:
+        f, i = r["FP32"], r["INT8"]
+        out.append(f"| {name} | {RUNTIMES.get(r['runtime'], r['runtime'])} | {r['batch']} | "
+                   f"{f['median_ms']:.1f} ({_spread(f)}) | {i['median_ms']:.1f} ({_spread(i)}) | "
+                   f"{f['images_per_s']:.1f} | {i['images_per_s']:.1f} | {r['speedup']:.2f}x | "
+                   f"**{r.get('speedup_vs_default', r['speedup']):.2f}x** ({r.get('default_precision', 'f32')}) |")
     out += ["", "Latency: median of the timed rounds (one synchronous inference of one batch); img/s: batch / "
-                "median latency; speed-up: FP32 median / INT8 median (above 1: INT8 is faster)."]
-    bf16_rows = [(name, r) for name, e in doc["models"].items() for r in e["runs"] if BF16 in r]
-    if bf16_rows:
-        out += ["", "OpenVINO runs floating point in bf16 by default on this CPU (AMX-BF16 or AVX512-BF16); the FP32 "
-                    "graph timed that way in the same rounds:", "",
-                "| model | batch | FP32 graph in bf16, ms (p10-p90) | img/s | INT8 speed-up over it |",
-                "|---|---:|---:|---:|---:|"]
-        for name, r in bf16_rows:
-            b = r[BF16]
-            out.append(f"| {name} | {r['batch']} | {b['median_ms']:.1f} ({_spread(b)}) | {b['images_per_s']:.1f} | "
-                       f"**{r['speedup_vs_bf16']:.2f}x** |")
+                "median latency; speed-up: FP32 median / INT8 median (above 1: INT8 is faster). The default "
+                "precision is what the runtime computes an FP32 graph in when not told otherwise, as users run it "
+                "(OpenVINO: bf16 on CPUs with AMX or AVX512-BF16, f32 elsewhere, as it reports; ONNX Runtime: f32)."]
+    default_rows = [(name, r) for name, r in runs if DEFAULT in r]
+    if default_rows:
+        out += ["", "OpenVINO's default precision on this CPU is not f32; the FP32 graph timed at it, in the same "
+                    "rounds:", "",
+                "| model | batch | precision | FP32 graph, ms (p10-p90) | img/s | INT8 speed-up over it |",
+                "|---|---:|---|---:|---:|---:|"]
+        for name, r in default_rows:
+            d = r[DEFAULT]
+            out.append(f"| {name} | {r['batch']} | {r['default_precision']} | {d['median_ms']:.1f} ({_spread(d)}) | "
+                       f"{d['images_per_s']:.1f} | **{r['speedup_vs_default']:.2f}x** |")
     for name, entry in doc["models"].items():
         lay = entry.get("openvino_int8_layers")
         if not lay:
