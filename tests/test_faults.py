@@ -180,8 +180,8 @@ def test_sigkill_leaves_complete_consistent_files(sigkilled, stage):
 
 
 #: What a run stopped at each stage has saved (its last line says so).
-SAVED = {"calibration": "report.json, report.md", "checkpoint": "report.json, report.md",
-         "finetune": "report.json, report.md, weights/ptq_ap_"}
+SAVED = {"calibration": "report.json, report.md, origin_images.npz", "checkpoint": "report.json, report.md, "
+         "origin_images.npz", "finetune": "report.json, report.md, origin_images.npz, weights/ptq_ap_"}
 #: Ctrl-C at every stage; SIGTERM and SIGHUP, which take Ctrl-C's path with another number, at calibration and at
 #: fine-tuning across the one-process and the torchrun runs (a Latin square: each pair of signal and stage once,
 #: each kind of run sees both signals and both stages; 4 runs instead of 8).
@@ -312,8 +312,8 @@ def test_disk_full(yolov9_tree, shapes, tmp_path):
     error = lines[-3]
     assert error.startswith(f"error: cannot write {mnt}/run/weights/ptq_ap_"), error
     assert error.endswith(f"(no space left on the device): free some space there or write to another disk, then "
-                          f"run the command again (saved in {mnt}/run: report.json, report.md; nothing half-written "
-                          f"was kept)."), error
+                          f"run the command again (saved in {mnt}/run: report.json, report.md, origin_images.npz; "
+                          f"nothing half-written was kept)."), error
     assert "Traceback" not in r.stderr
     assert [m["name"] for m in check_run_folder(full)["models"]] == ["Origin"]
     assert [m["name"] for m in check_run_folder(rerun)["models"]] == ["Origin", "PTQ", "QAT"]

@@ -93,11 +93,11 @@ class RunRecorder:
         m, sec = self.score(fp, "Origin")
         self.origin_metrics = m
         self.rows.append(reports.entry("Origin", self.weights, m, sec))
+        self.save_report()
         if m.per_image:  # every later evaluation of these images gets its interval against FP, val_trt.py's too
             from utils.qat.evaluation import resample
             self.paired = resample.PairedBootstrap(m)
             resample.save_images(m, self.out / resample.REFERENCE_FILE)
-        self.save_report()
 
     def _vs_origin(self, m: Any) -> dict:
         """``{"vs_origin": ...}``: the evaluation's difference from FP with its paired-bootstrap interval (nothing
