@@ -79,8 +79,7 @@ def _load_cache_or_array(file, *args, allow_pickle: bool = False, **kwargs):
         try:
             return load(file)
         except RefusedCache as e:
-            from utils.qat.core.progress import note
-            note(f"notice: {file} was not read: a label cache holds plain arrays, this one names {e}; scanning the "
-                 f"labels again.")
+            print(f"notice: {file} was not read: a label cache holds plain arrays, this one names {e}; scanning the "
+                  f"labels again.")
             raise
     return np.load(file, *args, allow_pickle=False, **kwargs)

@@ -28,7 +28,7 @@ from utils.qat.core.errors import QATError
 
 #: The yaml's model, before fusing, may hold at most this many times the elements the file stores (plus
 #: :data:`YAML_SLACK`): its BatchNorms fold into the stored convolutions, and a model whose layers are narrower
-#: than its yaml (Ultralytics' YOLOv9-t: 0.85x of what its yaml builds) stores fewer than the yaml makes.
+#: than its yaml (Ultralytics' YOLOv9-t, a pruned model) stores fewer than the yaml makes.
 YAML_FACTOR = 4
 YAML_SLACK = 1 << 20
 #: The quantizers this toolkit writes: 8 bits, per tensor or per output channel, no blocks.
