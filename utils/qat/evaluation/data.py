@@ -195,7 +195,8 @@ class GroupedBatches:
                 yield list(range(first, min(first + self.batch_size, end)))
 
     def __len__(self) -> int:
-        return sum(1 for _ in self)
+        full, rest = divmod(self.n, self.group)
+        return full * -(-self.group // self.batch_size) + -(-rest // self.batch_size)
 
 
 @contextlib.contextmanager

@@ -7,7 +7,7 @@ terabytes. Each number is checked here against the tensors the file actually sto
 anything it sizes is made; the tensors themselves were checked as loaded (``safe_load``: no record inflates, no
 tensor spans more than its storage). A file that fails is one :class:`QATError` sentence naming it and the place.
 
-    check_yaml_size(ckpt["yaml"], ckpt["nc"], task, state, source)   # before the yaml's model is built
+    check_yaml_size(ckpt["yaml"], ckpt["nc"], state, source)   # before the yaml's model is built
     check_modelopt_state(ckpt["modelopt_state"], state, source)      # before modelopt restores it
     check_geometry(model, source)                                    # before any image goes through it
 
@@ -48,7 +48,7 @@ def stored_elements(state: Mapping[str, torch.Tensor]) -> int:
     return sum(t.numel() for t in state.values() if isinstance(t, torch.Tensor))
 
 
-def yaml_elements(cfg: dict, nc: int, task: str = "detect") -> int:
+def yaml_elements(cfg: dict, nc: int) -> int:
     """The parameters and buffers of the model upstream's ``parse_model`` makes of ``cfg`` (with ``nc``
     classes), counted on the meta device: no memory is taken, whatever widths the yaml states."""
     from models.yolo import parse_model
@@ -61,14 +61,14 @@ def yaml_elements(cfg: dict, nc: int, task: str = "detect") -> int:
     return sum(t.numel() for t in (*layers.parameters(), *layers.buffers()))
 
 
-def check_yaml_size(cfg: Any, nc: Any, task: str, state: Mapping[str, torch.Tensor], source: str) -> None:
+def check_yaml_size(cfg: Any, nc: Any, state: Mapping[str, torch.Tensor], source: str) -> None:
     """The model ``cfg`` builds is of the size of the weights the file stores for it (:data:`YAML_FACTOR`)."""
     if not isinstance(cfg, dict) or not isinstance(nc, int) or isinstance(nc, bool) or nc < 1:
         raise QATError(f"{source} was not loaded: its model yaml or class count (nc: {nc!r}) is not one a quantized "
                        f"checkpoint holds; {FIX}.")
     stored = stored_elements(state)
     try:
-        built = yaml_elements(cfg, nc, task)
+        built = yaml_elements(cfg, nc)
     except QATError:
         raise
     except Exception as e:  # a yaml parse_model cannot build: the same sentence as any other misfit

@@ -122,7 +122,7 @@ def rebuild(ckpt: dict, source: str = "the checkpoint") -> nn.Module:
     from utils.qat.quantize.model_quant import fuse
     task = ckpt.get("task", "detect")
     state = stored_state(ckpt, source)
-    bounds.check_yaml_size(ckpt.get("yaml"), ckpt.get("nc"), task, state, source)
+    bounds.check_yaml_size(ckpt.get("yaml"), ckpt.get("nc"), state, source)
     layers = ckpt.get("structure")
     if layers is not None and not isinstance(layers, dict):
         raise QATError(f"{source} was not loaded: its structure record is not a table of layers; {bounds.FIX}.")

@@ -75,7 +75,6 @@ class RunRecorder:
         self.best_epoch, self.best_row = 0, None
         self.finetuned = False
         self.kept: tuple[Any, float] | None = None  # the budget's last kept model, as scored: (metrics, seconds)
-        self.origin_metrics = None  # the FP model's evaluation, what the budget's model is compared with
         self.paired = None  # the paired bootstrap over the FP model's per-image statistics (resample.py)
 
     def save_report(self) -> None:
@@ -91,7 +90,6 @@ class RunRecorder:
         if not self.eval_origin:
             return
         m, sec = self.score(fp, "Origin")
-        self.origin_metrics = m
         self.rows.append(reports.entry("Origin", self.weights, m, sec))
         self.save_report()
         if m.per_image:  # every later evaluation of these images gets its interval against FP, val_trt.py's too
@@ -99,17 +97,22 @@ class RunRecorder:
             self.paired = resample.PairedBootstrap(m)
             resample.save_images(m, self.out / resample.REFERENCE_FILE)
 
-    def _vs_origin(self, m: Any) -> dict:
-        """``{"vs_origin": ...}``: the evaluation's difference from FP with its paired-bootstrap interval (nothing
-        where FP was not evaluated)."""
+    def _paired(self, m: Any) -> Any:
+        """The evaluation's paired difference from FP (``resample.Paired``), None where FP was not evaluated."""
         if self.paired is None:
-            return {}
-        from utils.qat.evaluation import resample
+            return None
         try:
-            return {"vs_origin": resample.record(self.paired(m))}
+            return self.paired(m)
         except ValueError as e:  # not the FP model's images (never seen): the row goes without its interval
             print(f"notice: no interval against FP for this evaluation ({e}).")
-            return {}
+            return None
+
+    def _vs_origin(self, m: Any, paired: Any = None) -> dict:
+        """``{"vs_origin": ...}``: the evaluation's difference from FP with its paired-bootstrap interval (nothing
+        where FP was not evaluated); ``paired``: that difference when already drawn."""
+        from utils.qat.evaluation import resample
+        paired = paired or self._paired(m)
+        return {} if paired is None else {"vs_origin": resample.record(paired)}
 
     def ptq(self, qmodel: nn.Module, info: QuantInfo, calibration_seconds: float, finetuning: bool) -> None:
         self.meta["calibration_seconds"] = round(calibration_seconds, 1)
@@ -166,15 +169,15 @@ class RunRecorder:
         """The model the budget ended with (the last it kept, scored then; scored here only if that step was not,
         as under ``--no-eval-ptq``), saved as ``qat_best``."""
         m, sec = self.kept or self.score(qmodel, "INT8 (budget)")
+        paired = self._paired(m)  # drawn once: the row's interval and the summary's spread
         row = reports.entry("Budget", self.best_path, m, sec, calib_method=info.config.method,
                             fp_layers=summary.get("fp_layers", []), int8_share=summary.get("int8_share"),
-                            **self._vs_origin(m))
+                            **self._vs_origin(m, paired))
         self._save(self.best_path, qmodel, info, None, row)
         self.rows.append(row)
         summary["evaluation_AP"] = row["AP"]
-        if self.origin_metrics is not None:  # how far the evaluation images themselves can tell it from FP
-            from utils.qat.evaluation.resample import PairedBootstrap
-            summary["evaluation_spread"] = round(PairedBootstrap(self.origin_metrics)(m).spread, 4)
+        if paired is not None:  # how far the evaluation images themselves can tell it from FP
+            summary["evaluation_spread"] = round(paired.spread, 4)
         self.budget_progress(summary)
         print(f"budget model saved to {self.best_path}")
 
