@@ -16,11 +16,14 @@ readonly TRT_STUBS="tensorrt-stubs"
 # OpenVINO runs the Q/DQ ONNX on CPUs with INT8 kernels (val_trt.py --backend openvino, scripts/benchmark_cpu.py);
 # a ~60 MB wheel from PyPI that brings only numpy and openvino-telemetry.
 readonly OPENVINO="openvino"
+# The peers benchmarks/peers.py runs beside this toolkit: OpenVINO's NNCF (its PTQ, as Ultralytics runs it). NVIDIA
+# ModelOpt's ONNX PTQ, the other peer, comes with nvidia-modelopt (requirements.txt).
+readonly NNCF="nncf"
 PROG=${0##*/}
 
 usage() {
     cat <<EOF
-usage: $PROG [--yolov9 DIR] [--dev] [--openvino] [--tensorrt] [--trex] [--python PY] [--dry-run]
+usage: $PROG [--yolov9 DIR] [--dev] [--openvino] [--peers] [--tensorrt] [--trex] [--python PY] [--dry-run]
 
 Installs with pip what yolov9-qat needs on top of YOLOv9's own requirements
 ($HERE/requirements.txt: nvidia-modelopt, onnx, onnxruntime, ...). An installed torch and
@@ -35,6 +38,8 @@ options:
                 --no-deps: it declares a dependency on tensorrt, which installs only on GPU hosts)
   --openvino    also install OpenVINO ($OPENVINO from PyPI), which runs the exported Q/DQ ONNX on CPUs with INT8
                 kernels (val_trt.py --backend openvino, scripts/benchmark_cpu.py)
+  --peers       also install what benchmarks/peers.py needs to run the quantizers users would pick instead:
+                NNCF ($NNCF from PyPI) and OpenVINO (ModelOpt's ONNX PTQ comes with nvidia-modelopt)
   --tensorrt    also install the TensorRT Python wheels matching the CUDA of the installed torch
                 (tensorrt-cu12, tensorrt-cu13, ... from $NVIDIA_INDEX), unless TensorRT is
                 already present (e.g. in an NGC container)
@@ -86,6 +91,7 @@ py() {
 YOLOV9=
 DEV=0
 OPENVINO_FLAG=0
+PEERS=0
 TENSORRT=0
 TREX=0
 DRY_RUN=0
@@ -104,6 +110,7 @@ while [ $# -gt 0 ]; do
         --python=*) PY=${1#*=}; [ -n "$PY" ] || usage_error "--python needs an interpreter" ;;
         --dev) DEV=1 ;;
         --openvino) OPENVINO_FLAG=1 ;;
+        --peers) PEERS=1; OPENVINO_FLAG=1 ;;
         --tensorrt) TENSORRT=1 ;;
         --trex) TREX=1 ;;
         --dry-run) DRY_RUN=1 ;;
@@ -235,6 +242,18 @@ if [ "$OPENVINO_FLAG" -eq 1 ]; then
         step "OpenVINO ($OPENVINO)" \
             "pip could not install $OPENVINO from PyPI (see its output above); without it, score the graphs with val_trt.py --backend onnxruntime." \
             "${pip_install[@]}" "$OPENVINO"
+    fi
+fi
+
+# The peers' NNCF (only when asked; --dev has it in requirements-dev.txt).
+if [ "$PEERS" -eq 1 ]; then
+    if nncf=$(py -c 'import nncf; print(nncf.__version__)' 2>/dev/null | tail -n 1) && [ -n "$nncf" ]; then
+        echo "==> NNCF"
+        echo "NNCF $nncf is already installed (import nncf works): not installing another."
+    else
+        step "NNCF ($NNCF)" \
+            "pip could not install $NNCF from PyPI (see its output above); without it, run benchmarks/peers.py with --peers modelopt-max modelopt-entropy." \
+            "${pip_install[@]}" "$NNCF"
     fi
 fi
 

@@ -302,6 +302,49 @@ def test_cli_results_runs_the_real_commands(yolov9_tree, shapes, tmp_path):
     assert (out / "qs.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_ckpt_vs_graph_same_detections():
+    """Two images' statistics hold the same detections when they keep as many, of the same classes, with
+    confidences within the tolerance and the same matches, in whatever order they were kept."""
+    import numpy as np
+    bench = _module("ckpt_vs_graph")
+    correct = np.array([[True, False], [False, False], [True, True]])
+    a = (correct, np.array([0.9, 0.5, 0.7]), np.array([1.0, 2.0, 1.0]), np.array([1.0]))
+    reordered = (correct[[2, 0, 1]], a[1][[2, 0, 1]] + 1e-4, a[2][[2, 0, 1]], a[3])
+    assert bench.same_detections(a, reordered, 1e-3) and bench.same_detections(None, None, 1e-3)
+    assert not bench.same_detections(a, (correct, a[1] + 0.01, a[2], a[3]), 1e-3)  # a confidence moved
+    assert not bench.same_detections(a, (~correct, a[1], a[2], a[3]), 1e-3)  # matched otherwise
+    assert not bench.same_detections(a, (correct[:2], a[1][:2], a[2][:2], a[3]), 1e-3)  # one fewer kept
+    assert not bench.same_detections(a, None, 1e-3)
+
+
+def test_ckpt_vs_graph_scores_a_checkpoint_and_its_graph(yolov9_tree, shapes, tmp_path):
+    """benchmarks/ckpt_vs_graph.py on a quickly calibrated embedded model (shapes, 64 px): the checkpoint in PyTorch
+    and its exported graph on ONNX Runtime scored alike, their difference with its interval, most images with the
+    same detections; a floating-point checkpoint is refused in one sentence, before anything is written."""
+    import yaml
+
+    from helpers import quantized_checkpoint, real_images
+    from utils.qat.core.errors import QATError
+    from utils.qat.model import checkpoint
+    train = Path(yaml.safe_load(shapes.read_text())["train"])
+    train = train if train.is_absolute() else shapes.parent / train
+    _, pt = quantized_checkpoint(checkpoint.load_fp(QS), real_images(train, 4, 64), tmp_path / "q.pt")
+    out = tmp_path / "out"
+    common = ["--data", str(shapes), "--imgsz", "64", "--batch-size", "8", "--workers", "0", "--out", str(out),
+              "--label", "qs"]
+    doc = _main(yolov9_tree, "ckpt_vs_graph", "--weights", str(pt), *common)
+    (row,) = doc["rows"]
+    diff = row["graph_minus_checkpoint"]
+    assert row["images"] == 16 and 0.3 < row["checkpoint"]["AP"] <= 1
+    assert abs(diff["AP"] - (row["graph_scores"]["AP"] - row["checkpoint"]["AP"])) < 2e-4
+    assert diff["interval"][0] <= diff["interval"][1] and row["tie"] == (diff["interval"][0] <= 0 <= diff["interval"][1])
+    assert 8 <= row["same_detections"] <= 16 and Path(row["graph"]).is_file()
+    assert "| q.pt |" in (out / "qs.md").read_text()
+    with pytest.raises(QATError, match="is a floating-point checkpoint; pass a quantized one"):
+        _main(yolov9_tree, "ckpt_vs_graph", "--weights", str(QS), *common[:-4], "--out", str(tmp_path / "fp"))
+    assert not (tmp_path / "fp").exists()
+
+
 def test_cli_results_renders_a_budget_set(tmp_path):
     """A committed --max-drop set (benchmarks/results/custom-budget0-h200.json, every step run) rendered again from its
     JSON: one table row per step with its held-out figure, bound and (kept steps) evaluation figure, the evaluation

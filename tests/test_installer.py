@@ -269,6 +269,20 @@ def test_openvino(tmp_path, venv_python):
     assert "OpenVINO: 2026.4.1 (import openvino)" in proc.stdout
 
 
+def test_peers(tmp_path, venv_python):
+    """--peers installs NNCF and OpenVINO (benchmarks/peers.py), each under the torch constraint."""
+    py = fake_python(tmp_path, venv_python)
+    proc = install("--dry-run", "--python", py, "--peers")
+    assert proc.returncode == 0, proc.stderr
+    commands = pip_commands(proc)
+    assert [c[-1] for c in commands[1:]] == ["openvino", "nncf"] and all("-c" in c for c in commands[1:])
+    assert "==> NNCF (nncf)" in proc.stdout
+
+    present = fake_python(tmp_path / "with-openvino", venv_python, openvino="2026.4.1")
+    proc = install("--dry-run", "--python", present, "--peers")
+    assert proc.returncode == 0 and [c[-1] for c in pip_commands(proc)[1:]] == ["nncf"], proc.stdout + proc.stderr
+
+
 def test_all_flags_in_order(tmp_path, venv_python, yolov9_dir):
     py = fake_python(tmp_path, venv_python, cuda="13.0")
     proc = install("--trex", "--yolov9", yolov9_dir, "--dry-run", "--tensorrt", "--openvino", f"--python={py}")
@@ -335,6 +349,7 @@ def test_dev_adds_the_test_tools_and_the_stubs_without_their_dependencies(tmp_pa
     dev = (REPO / "requirements-dev.txt").read_text().split()
     assert "pytest" in dev and "mypy" in dev and "ruff" in dev
     assert "openvino" in dev  # CI scores the quickstart model's graphs with val_trt.py --backend openvino
+    assert "nncf" in dev  # tests/test_peers.py runs benchmarks/peers.py's NNCF peer
 
 
 def _readme_test_lines() -> list[str]:

@@ -85,6 +85,48 @@ def test_search_lowers_the_head_loss_and_touches_only_head_scales(calibrated, im
         assert len({float(after[n]) for n in group if n in after}) <= 1, group
 
 
+def test_head_candidates_run_only_their_branch(calibrated, images):
+    """Off the GPU a head candidate runs only the branch whose scale it changes (``_Branches``): the same choices,
+    losses and amax in every bit as running the whole head per candidate, for a bounded count of convolutions: per
+    batch, the whole head three times (the FP targets, the loss before, the branches' outputs kept), then each unit's
+    branch once per candidate and once more with its kept scale. The whole-head path runs every head convolution
+    per candidate."""
+    import copy
+
+    from utils.qat.quantize import head
+    from utils.qat.quantize.state import amax_state
+    qmodel, info = calibrated
+    batches = [images, images.flip(-1)]
+    units = head.searchable(qmodel, info.scale_groups)
+
+    def search(branches: bool) -> tuple[dict, dict, int, dict]:
+        model = copy.deepcopy(qmodel)
+        modules = dict(model.named_modules())
+        for n in units[0]:  # a coarse scale, so that the search has something to move
+            modules[n].amax = modules[n].amax * 1.5
+        detect = model.model[-1]
+        runs: list[str] = []
+        convs = {n: m for n, m in detect.named_modules() if isinstance(m, torch.nn.Conv2d)}
+        for n, m in convs.items():
+            m.register_forward_hook(lambda *_, n=n: runs.append(n))
+        result = head.search_head_amax(model, batches, info.scale_groups, branches=branches)
+        return result, amax_state(model), len(runs), convs
+
+    (split, s_amax, s_runs, convs), (whole, w_amax, w_runs, _) = search(True), search(False)
+    assert split == whole and split["factors"][units[0][0]] != 1.0
+    assert s_amax.keys() == w_amax.keys() and all(torch.equal(s_amax[n], w_amax[n]) for n in w_amax)
+    split_of = head._Branches(qmodel.model[-1], f"model.{len(qmodel.model) - 1}.")
+    per_branch = {b: sum(1 for n in convs if n.startswith(b + ".")) for b in split_of.modules}
+    candidates = len(head.FACTORS) - 1
+    unit_convs = [sum(per_branch[b] for b in split_of.of(u)) for u in units]
+    whole_head = sum(per_branch.values())  # the convolutions of the head's training form (not the DFL's)
+    assert len(per_branch) == 6 and whole_head >= 18
+    assert s_runs == len(batches) * (3 * whole_head + (candidates + 1) * sum(unit_convs[:-1])
+                                     + candidates * unit_convs[-1])
+    assert w_runs == len(batches) * whole_head * (2 + candidates * len(units))
+    assert 4 * s_runs < w_runs
+
+
 def test_head_in_fp_has_nothing_to_search(yolov9_tree, images, capsys):
     from utils.qat.quantize.model_quant import QuantConfig, quantize
     from utils.qat.model import checkpoint

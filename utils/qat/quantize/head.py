@@ -22,6 +22,11 @@ multiples (:data:`BODY_FACTORS`): calibration picks each scale by the error of i
 model trained on COCO (YOLOv9-t) the mse scales of the early layers clip tails that the detections need
 (docs/QAT_RECIPE.md "A real COCO model: YOLOv9-t").
 
+Off the GPU a head candidate runs only the branch it changes (:class:`_Branches`): every other per-level branch of
+the head (``cv2.0``, ``cv3.1``, ...) gives the output it gave with the scales as chosen so far, kept from one run, so
+a candidate costs one branch instead of the whole head (on YOLOv9-t's six branches, about a sixth), and the loss is
+the same in every bit. ``tests/test_quantize_head.py`` counts the convolutions each path runs.
+
 On a GPU each candidate's run is replayed from a CUDA graph (``ValueGraph``, ``utils/qat/quantize/cuda_graph.py``),
 recorded again whenever the body search moves on to a later layer: the same losses, in every bit, as running it
 eagerly, for a fraction of the CPU time.
@@ -29,6 +34,7 @@ eagerly, for a fraction of the CPU time.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -154,6 +160,75 @@ class _Prefix:
         return [_layers(self.model, x, y, self.start, len(self.model.model))[0] for x, y in self.states]
 
 
+class _Branches:
+    """The head's per-level branches (each element of its ModuleLists: DDetect's ``cv2.0`` ... ``cv3.2``), and what
+    each gave for each batch with the scales as chosen so far. While a unit is scored (:meth:`live`), the others
+    return what they gave instead of running again: only the branches holding the unit's quantizers run, and the
+    head's output (and its loss) is the same in every bit as running it whole, since a branch's output depends only
+    on its own input and scales. A unit outside every branch runs the whole head."""
+
+    def __init__(self, detect: nn.Module, prefix: str):
+        self.prefix = prefix  # the head's name in the model, with its dot: 'model.22.'
+        self.modules = {f"{name}.{j}": m for name, child in detect.named_children()
+                        if isinstance(child, nn.ModuleList) for j, m in enumerate(child)}
+        self.inputs: dict[str, list] = {b: [] for b in self.modules}
+        self.outputs: dict[str, list] = {b: [] for b in self.modules}
+        self.batch = 0
+        self.running: set[str] = set()  # the branches that ran for the last unit: their outputs are made again
+
+    def record(self, detect: nn.Module, inputs: list[list[torch.Tensor]]) -> None:
+        """Run the whole head once per batch (``inputs``: its input per batch), keeping each branch's input and
+        output."""
+        hooks = [m.register_forward_hook(functools.partial(self._keep, b)) for b, m in self.modules.items()]
+        try:
+            for features in inputs:
+                detect(list(features))
+        finally:
+            for h in hooks:
+                h.remove()
+
+    def _keep(self, branch: str, module, args, output) -> None:
+        self.inputs[branch].append(args[0])
+        self.outputs[branch].append(output)
+
+    def of(self, unit: list[str]) -> set[str] | None:
+        """The branches holding ``unit``'s quantizers, or None where one lies outside every branch."""
+        found = set()
+        for name in unit:
+            rest = name[len(self.prefix):] if name.startswith(self.prefix) else ""
+            branch = ".".join(rest.split(".")[:2])
+            if branch not in self.modules:
+                return None
+            found.add(branch)
+        return found
+
+    def live(self, branches: set[str] | None) -> None:
+        """Score the next candidates with only ``branches`` running (None: all of them). The branches that ran for
+        the unit before have their outputs made again first, with the scale the search kept for it."""
+        for b in self.running:
+            if b in self.modules and self.inputs[b]:
+                self.outputs[b] = [self.modules[b](x) for x in self.inputs[b]]
+        for b, m in self.modules.items():
+            if branches is None or b in branches:
+                m.__dict__.pop("forward", None)  # its own forward again
+            else:
+                m.forward = functools.partial(self._recorded, b)
+        self.running = set(self.modules) if branches is None else set(branches)
+
+    def _recorded(self, branch: str, *_args):
+        return self.outputs[branch][self.batch]
+
+    def close(self) -> None:
+        for m in self.modules.values():
+            m.__dict__.pop("forward", None)
+
+    def head_outputs(self, detect: nn.Module, inputs: list[list[torch.Tensor]]) -> Iterable:
+        """The head's output for each batch, the batch index set for the branches that return what they gave."""
+        for i, features in enumerate(inputs):
+            self.batch = i
+            yield detect(list(features))
+
+
 def _descend(units: list[list[str]], modules: dict[str, nn.Module], loss: Callable[[], float], best_loss: float,
              factors: Sequence[float], desc: str,
              enter: Callable[[list[str]], None] | None = None) -> tuple[dict[str, float], float]:
@@ -184,13 +259,15 @@ def _descend(units: list[list[str]], modules: dict[str, nn.Module], loss: Callab
 @torch.no_grad()
 def search_head_amax(model: nn.Module, batches: Iterable[torch.Tensor], groups: Sequence[Sequence[str]],
                      factors: Sequence[float] = FACTORS, layers: Iterable[int] = (), head: bool = True,
-                     replay: bool = True) -> dict:
+                     replay: bool = True, branches: bool | None = None) -> dict:
     """Set each searchable amax to the multiple of its calibrated value that gives the lowest head distillation
     loss over ``batches``: first those of the body ``layers`` (one of :data:`BODY_FACTORS`), then, with ``head``,
     the head's inputs (one of ``factors``); print one line saying what moved. Returns the record
     ``QuantInfo.head_search`` keeps: ``{"factors": {first name of each unit: factor}, "loss_before",
     "loss_after", "batches"}`` (``{}`` when there is nothing to search, e.g. the head is kept in FP). ``replay``:
-    on CUDA, score the candidates from a CUDA graph (``False``: eagerly; the same losses)."""
+    on CUDA, score the candidates from a CUDA graph (``False``: eagerly; the same losses). ``branches``: score a
+    head candidate by running only the branches it changes (:class:`_Branches`; None: where no CUDA graph replays
+    them; the same losses)."""
     from utils.qat.quantize.objectives import head_distillation
     detect = model.model[-1]
     layers = sorted(set(layers))
@@ -249,8 +326,23 @@ def search_head_amax(model: nn.Module, batches: Iterable[torch.Tensor], groups: 
                 cached = [capture.run(model, images) for images in batches]  # the body as now scaled, run once
                 if not body_units:
                     before = best_loss = mean(head_graph)
-                found, best_loss = _descend(head_units, modules, lambda: mean(head_graph), best_loss, factors,
+                if branches is None:
+                    branches = not cuda
+                enter_head = None
+                if branches:
+                    split = _Branches(detect, f"model.{len(model.model) - 1}.")
+                    split.record(detect, cached)
+
+                    def enter_head(unit: list[str]) -> None:
+                        split.live(split.of(unit))
+                    head_graph = ValueGraph(lambda: loss(split.head_outputs(detect, cached)), False,
                                             "head amax search")
+                try:
+                    found, best_loss = _descend(head_units, modules, lambda: mean(head_graph), best_loss, factors,
+                                                "head amax search", enter=enter_head)
+                finally:
+                    if branches:
+                        split.close()
                 chosen.update(found)
     finally:
         model.train(training)

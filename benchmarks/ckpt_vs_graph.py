@@ -1,0 +1,148 @@
+"""A quantized checkpoint against its own exported graph, on one CPU under one protocol: how far the number `qat.py`
+shows (the fake-quant checkpoint in PyTorch) is from the number the graph ships with (ONNX Runtime, which computes a
+Q/DQ graph as written).
+
+    python3 benchmarks/ckpt_vs_graph.py --weights runs/qat/exp/weights/qat_best_yolov9-t.pt --data coco.yaml \\
+        --out runs/ckpt-vs-graph --label yolov9-t-qat
+
+Exports each checkpoint as ``export_qat.py --dynamic`` does (or scores ``--graph``), scores checkpoint and graph on
+the CPU with the one evaluator, at the same batch and protocol, and reports for each: both mAP50-95, graph minus
+checkpoint with its 95% paired-bootstrap interval over the images, and how many images came out with the same
+detections (the same number kept, the same classes, confidences within --conf-tol, the same matches to the labels).
+Where the two part, it is arithmetic, not definition (docs/RESULTS.md "A checkpoint against its graph": the
+scales, INT8 weights, rounding and placement are the same; values that sit on a rounding tie round either way with
+the order of a float sum, and the network carries the flips). Writes OUT/LABEL.json, OUT/LABEL.md and the graphs in
+OUT/LABEL-graphs/.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.getcwd())
+from utils.qat.core import compat  # noqa: E402
+
+compat.apply()
+
+from utils.qat.core.atomic import write_text  # noqa: E402
+from utils.qat.core.errors import QATError, run_cli  # noqa: E402
+from utils.qat.core.validate import check_args  # noqa: E402
+
+
+def get_args_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--weights", nargs="+", required=True, type=Path, help="quantized checkpoints (qat.py quantize)")
+    p.add_argument("--graph", nargs="+", type=Path, default=None,
+                   help="their exported graphs, in the same order (default: export each here)")
+    p.add_argument("--data", required=True, help="dataset yaml: its val split is scored")
+    p.add_argument("--imgsz", type=int, default=640, help="evaluation size (default 640)")
+    p.add_argument("--batch-size", type=int, default=16, help="evaluation batch (default 16)")
+    p.add_argument("--num-image", type=int, default=None, help="score on the first N val images (default all)")
+    p.add_argument("--workers", type=int, default=4, help="dataloader workers")
+    p.add_argument("--conf-tol", type=float, default=1e-3,
+                   help="confidences this close count as the same detection (default %(default)s)")
+    p.add_argument("--out", required=True, type=Path, help="folder of LABEL.json and LABEL.md")
+    p.add_argument("--label", default="ckpt-vs-graph", help="name of the result files (default: %(default)s)")
+    return p
+
+
+def same_detections(a, b, tol: float) -> bool:
+    """Whether two per-image statistics ``(correct, conf, pred_cls, target_cls)`` hold the same detections: as many,
+    of the same classes, confidences within ``tol``, matched to the labels alike (compared in confidence order)."""
+    import numpy as np
+    if a is None or b is None:
+        return a is None and b is None
+    (ca, fa, pa, _), (cb, fb, pb, _) = ([np.asarray(t) for t in s] for s in (a, b))
+    if len(fa) != len(fb):
+        return False
+    ia, ib = np.lexsort((-fa, pa)), np.lexsort((-fb, pb))
+    return bool(np.array_equal(pa[ia], pb[ib]) and np.allclose(fa[ia], fb[ib], rtol=0, atol=tol)
+                and np.array_equal(ca[ia], cb[ib]))
+
+
+def compare(weights: Path, graph: Path | None, data: dict, args: argparse.Namespace, graphs: Path) -> dict:
+    """One checkpoint against its graph: the row of LABEL.json."""
+    from utils.qat.evaluation.backends import ORTBackend, TorchBackend
+    from utils.qat.evaluation.evaluate import evaluate
+    from utils.qat.evaluation.resample import PairedBootstrap, record, shown
+    from utils.qat.model import checkpoint
+    from utils.qat.onnx.onnx_export import export_onnx, load_for_export
+    import torch
+    model, task, _quantized, fp_patterns = load_for_export(weights)
+    if graph is None:
+        graph = graphs / f"{weights.stem}.onnx"
+        export_onnx(model, graph, imgsz=args.imgsz, dynamic=True, allow_fp=fp_patterns, task=task,
+                    metadata={"source": weights.name})
+    elif not graph.is_file():
+        raise QATError(f"--graph {graph} not found; leave --graph out to export each checkpoint here.")
+    del model
+    qmodel = checkpoint.load_quantized(weights, task=task)[0]
+    scores = {}
+    for name, backend in (("checkpoint", TorchBackend(qmodel, torch.device("cpu"), task=task)),
+                          ("graph", ORTBackend(graph))):
+        start = time.time()
+        scores[name] = evaluate(backend, data, task=task, imgsz=args.imgsz, batch_size=args.batch_size,
+                                workers=args.workers, num_images=args.num_image, desc=f"{weights.name}: {name}")
+        scores[name].seconds = time.time() - start
+    ckpt, onnx = scores["checkpoint"], scores["graph"]
+    d = PairedBootstrap(ckpt)(onnx)
+    by_path = {i.path: i for i in onnx.per_image}
+    same = sum(same_detections(i.box, by_path[i.path].box, args.conf_tol) for i in ckpt.per_image)
+    return {"weights": str(weights), "graph": str(graph), "images": ckpt.images,
+            "checkpoint": {"AP": round(ckpt.mAP50_95, 4), "AP50": round(ckpt.mAP50, 4)},
+            "graph_scores": {"AP": round(onnx.mAP50_95, 4), "AP50": round(onnx.mAP50, 4)},
+            "graph_minus_checkpoint": record(d), "shown": shown(d), "tie": d.tie,
+            "same_detections": same, "seconds": {k: round(m.seconds, 1) for k, m in scores.items()}}
+
+
+def render(doc: dict) -> str:
+    lines = [f"# {doc['label']}: checkpoints against their graphs", "",
+             f"Made by `{doc['command']}` ({doc['date']}, {doc['machine']}): each quantized checkpoint scored in PyTorch "
+             f"(fake quantization) and its `export_qat.py --dynamic` graph on ONNX Runtime, both on the CPU, batch "
+             f"{doc['batch_size']}, the one protocol, {doc['imgsz']} px, mAP50-95. `graph - checkpoint` carries its 95% "
+             f"paired-bootstrap interval over the images; `same detections`: images whose detections agree (count, "
+             f"classes, confidences within {doc['conf_tol']}, matches).", "",
+             "| checkpoint | checkpoint | graph | graph - checkpoint | same detections |", "|---|---|---|---|---|"]
+    for r in doc["rows"]:
+        lines.append(f"| {Path(r['weights']).name} | {r['checkpoint']['AP']:.4f} | {r['graph_scores']['AP']:.4f} | "
+                     f"{r['shown']} | {r['same_detections']} / {r['images']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(args: argparse.Namespace) -> dict:
+    from utils.qat.evaluation.cpu_bench import cpu_info
+    from utils.qat.evaluation.data import load_data_yaml
+    check_args(args)
+    if args.graph is not None and len(args.graph) != len(args.weights):
+        raise QATError(f"--graph gives {len(args.graph)} graphs for {len(args.weights)} checkpoints; give one per "
+                       f"checkpoint, in the same order, or leave --graph out.")
+    from utils.qat.model import checkpoint
+    for w in args.weights:
+        if not w.is_file():
+            raise QATError(f"--weights {w} not found; pass quantized checkpoints (qat.py quantize writes them).")
+        if not checkpoint.is_quantized(checkpoint.read(w)):
+            raise QATError(f"{w} is a floating-point checkpoint; pass a quantized one (qat.py quantize writes them).")
+    data = load_data_yaml(args.data, splits=("val",))
+    graphs = args.out / f"{args.label}-graphs"
+    graphs.mkdir(parents=True, exist_ok=True)
+    cpu = cpu_info()
+    doc = {"label": args.label, "command": shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "machine": f"{cpu['model']}, {cpu['cpus']} CPUs", "imgsz": args.imgsz, "batch_size": args.batch_size,
+           "conf_tol": args.conf_tol, "rows": []}
+    for i, w in enumerate(args.weights):
+        doc["rows"].append(compare(w, args.graph[i] if args.graph else None, data, args, graphs))
+        write_text(args.out / f"{args.label}.json", json.dumps(doc, indent=2))
+        write_text(args.out / f"{args.label}.md", render(doc))
+    print(render(doc))
+    print(f"wrote {args.out / args.label}.json and .md")
+    return doc
+
+
+if __name__ == "__main__":
+    run_cli(lambda: main(get_args_parser().parse_args()))
