@@ -48,7 +48,8 @@ def _common(p: argparse.ArgumentParser, project: str) -> None:
 
 def _calibration(p: argparse.ArgumentParser, task: str) -> None:
     from utils.qat.quantize.config import (CALIB_METHODS, DEFAULT_CALIB_METHODS, DEFAULT_HEAD_AMAX, DEFAULT_HEAD_BATCHES,
-                                           DEFAULT_PERCENTILE, DEFAULT_TIE, HEAD_AMAX, TIES)
+                                           DEFAULT_PERCENTILE, DEFAULT_POOL_SCALE, DEFAULT_TIE, HEAD_AMAX,
+                                           POOL_SCALES, TIES)
     p.add_argument("--calib-method", choices=CALIB_METHODS, default=DEFAULT_CALIB_METHODS[task],
                    help="activation calibration (weights are always per-channel max; default: %(default)s). mse-image "
                         "runs the MSE search with every image weighted alike, so a few images with far larger "
@@ -76,6 +77,12 @@ def _calibration(p: argparse.ArgumentParser, task: str) -> None:
                    help="the one scale of tensors TensorRT needs on one scale (a Concat's inputs, MaxPool): max = "
                         "the largest of their calibrated amax, mse = the least squared error over all of them "
                         "(histogram methods; default: %(default)s)")
+    p.add_argument("--pool-scale", choices=POOL_SCALES, default=DEFAULT_POOL_SCALE,
+                   help="an average pool's output (AConv, ADown): shared = on its input's scale, as TensorRT's INT8 "
+                        "pooling passes it; own = calibrated on its own, so that averages of INT8 values stop "
+                        "landing on rounding ties that each runtime breaks its own way (a checkpoint then scores "
+                        "what its graph scores on ONNX Runtime at any optimization level; docs/RESULTS.md 'A "
+                        "checkpoint against its graph'; default: %(default)s)")
     p.add_argument("--seed", type=int, default=57,
                    help="seeds the fine-tuning: the order of the training images and the random streams of their "
                         "augmentation (runs with the same seed and --workers repeat; docs/QAT_FINETUNING.md 'GELAN-C "
@@ -219,7 +226,7 @@ def quant_config(args) -> QuantConfig:
     from utils.qat.quantize.config import QuantConfig, parse_layers
     return QuantConfig(method=args.calib_method, percentile=args.percentile,
                        skip=tuple(getattr(args, "skip_layers", "").split(",")), head_amax=args.head_amax,
-                       tie=args.tie, head_batches=args.head_batches,
+                       tie=args.tie, head_batches=args.head_batches, pool_scale=args.pool_scale,
                        search_layers=parse_layers(getattr(args, "search_layers", "")))
 
 

@@ -1,18 +1,21 @@
 """A quantized checkpoint against its own exported graph, on one CPU under one protocol: how far the number `qat.py`
-shows (the fake-quant checkpoint in PyTorch) is from the number the graph ships with (ONNX Runtime, which computes a
-Q/DQ graph as written).
+shows (the fake-quant checkpoint in PyTorch) is from the number the graph ships with (ONNX Runtime, as val_trt.py
+runs it).
 
     python3 benchmarks/ckpt_vs_graph.py --weights runs/qat/exp/weights/qat_best_yolov9-t.pt --data coco.yaml \\
-        --out runs/ckpt-vs-graph --label yolov9-t-qat
+        --out runs/ckpt-vs-graph --label yolov9-t-qat --float64 --unoptimized
 
 Exports each checkpoint as ``export_qat.py --dynamic`` does (or scores ``--graph``), scores checkpoint and graph on
 the CPU with the one evaluator, at the same batch and protocol, and reports for each: both mAP50-95, graph minus
 checkpoint with its 95% paired-bootstrap interval over the images, and how many images came out with the same
 detections (the same number kept, the same classes, confidences within --conf-tol, the same matches to the labels).
-Where the two part, it is arithmetic, not definition (docs/RESULTS.md "A checkpoint against its graph": the
-scales, INT8 weights, rounding and placement are the same; values that sit on a rounding tie round either way with
-the order of a float sum, and the network carries the flips). Writes OUT/LABEL.json, OUT/LABEL.md and the graphs in
-OUT/LABEL-graphs/.
+Two more scorings of the same model under another arithmetic give the band to read that difference against:
+``--float64`` (the checkpoint in float64) and ``--unoptimized`` (the graph with ONNX Runtime's basic rewrites only,
+each operator computed as ONNX defines it, where the default fuses Q/DQ into integer kernels). Where they part, it
+is arithmetic, not definition (docs/RESULTS.md "A checkpoint against its graph": the scales, INT8 weights, rounding
+and placement are the same; an average pool of INT8 values requantized on their own scale puts about a quarter of
+its outputs exactly on a rounding tie, which the order of a float sum decides, and the network carries the flips).
+Writes OUT/LABEL.json, OUT/LABEL.md and the graphs in OUT/LABEL-graphs/.
 """
 from __future__ import annotations
 
@@ -41,9 +44,17 @@ def get_args_parser() -> argparse.ArgumentParser:
                    help="their exported graphs, in the same order (default: export each here)")
     p.add_argument("--data", required=True, help="dataset yaml: its val split is scored")
     p.add_argument("--imgsz", type=int, default=640, help="evaluation size (default 640)")
-    p.add_argument("--batch-size", type=int, default=16, help="evaluation batch (default 16)")
+    p.add_argument("--batch-size", type=int, nargs="+", default=[16],
+                   help="evaluation batches (default 16): the first is compared image by image; each other one "
+                        "scores both again, to show that the score does not depend on it (the one protocol)")
     p.add_argument("--num-image", type=int, default=None, help="score on the first N val images (default all)")
     p.add_argument("--workers", type=int, default=4, help="dataloader workers")
+    p.add_argument("--float64", action="store_true",
+                   help="also score each checkpoint in float64: how far float arithmetic alone moves its score, the "
+                        "band to read graph - checkpoint against")
+    p.add_argument("--unoptimized", action="store_true",
+                   help="also score each graph with ONNX Runtime's basic rewrites only (each operator as ONNX defines "
+                        "it, no fused integer kernels): what the runtime's kernels add to graph - checkpoint")
     p.add_argument("--conf-tol", type=float, default=1e-3,
                    help="confidences this close count as the same detection (default %(default)s)")
     p.add_argument("--out", required=True, type=Path, help="folder of LABEL.json and LABEL.md")
@@ -65,6 +76,23 @@ def same_detections(a, b, tol: float) -> bool:
                 and np.array_equal(ca[ia], cb[ib]))
 
 
+def _float64(qmodel, task: str):
+    """The checkpoint computed in float64, fed and read in float32 as the evaluator expects: the same model, the same
+    scales and rounding, another float arithmetic (values on a rounding tie may round the other way)."""
+    import copy
+
+    import torch
+
+    from utils.qat.evaluation.backends import TorchBackend
+
+    class Float64(TorchBackend):
+        def __call__(self, images):
+            out = super().__call__(images.double())
+            return [o.float() for o in out] if isinstance(out, (list, tuple)) else out.float()
+
+    return Float64(copy.deepcopy(qmodel).double(), torch.device("cpu"), task=task)
+
+
 def compare(weights: Path, graph: Path | None, data: dict, args: argparse.Namespace, graphs: Path) -> dict:
     """One checkpoint against its graph: the row of LABEL.json."""
     from utils.qat.evaluation.backends import ORTBackend, TorchBackend
@@ -82,35 +110,68 @@ def compare(weights: Path, graph: Path | None, data: dict, args: argparse.Namesp
         raise QATError(f"--graph {graph} not found; leave --graph out to export each checkpoint here.")
     del model
     qmodel = checkpoint.load_quantized(weights, task=task)[0]
-    scores = {}
-    for name, backend in (("checkpoint", TorchBackend(qmodel, torch.device("cpu"), task=task)),
-                          ("graph", ORTBackend(graph))):
-        start = time.time()
-        scores[name] = evaluate(backend, data, task=task, imgsz=args.imgsz, batch_size=args.batch_size,
-                                workers=args.workers, num_images=args.num_image, desc=f"{weights.name}: {name}")
-        scores[name].seconds = time.time() - start
+    scores, by_batch = {}, {}
+    backends = [("checkpoint", TorchBackend(qmodel, torch.device("cpu"), task=task)), ("graph", ORTBackend(graph))]
+    if args.float64:
+        backends.append(("float64", _float64(qmodel, task)))
+    if args.unoptimized:
+        backends.append(("unoptimized graph", ORTBackend(graph, optimize=False)))
+    for name, backend in backends:
+        for batch in args.batch_size if name in ("checkpoint", "graph") else args.batch_size[:1]:
+            start = time.time()
+            m = evaluate(backend, data, task=task, imgsz=args.imgsz, batch_size=batch, workers=args.workers,
+                         num_images=args.num_image, desc=f"{weights.name}: {name}, batch {batch}")
+            m.seconds = time.time() - start
+            scores.setdefault(name, m)  # the first batch is the one compared image by image
+            if name in ("checkpoint", "graph"):
+                by_batch.setdefault(str(batch), {})[name] = round(m.mAP50_95, 4)
     ckpt, onnx = scores["checkpoint"], scores["graph"]
     d = PairedBootstrap(ckpt)(onnx)
-    by_path = {i.path: i for i in onnx.per_image}
-    same = sum(same_detections(i.box, by_path[i.path].box, args.conf_tol) for i in ckpt.per_image)
-    return {"weights": str(weights), "graph": str(graph), "images": ckpt.images,
-            "checkpoint": {"AP": round(ckpt.mAP50_95, 4), "AP50": round(ckpt.mAP50, 4)},
-            "graph_scores": {"AP": round(onnx.mAP50_95, 4), "AP50": round(onnx.mAP50, 4)},
-            "graph_minus_checkpoint": record(d), "shown": shown(d), "tie": d.tie,
-            "same_detections": same, "seconds": {k: round(m.seconds, 1) for k, m in scores.items()}}
+
+    def same(other) -> int:  # images whose detections agree with the checkpoint's
+        by_path = {i.path: i for i in other.per_image}
+        return sum(same_detections(i.box, by_path[i.path].box, args.conf_tol) for i in ckpt.per_image)
+
+    row = {"weights": str(weights), "graph": str(graph), "images": ckpt.images,
+           "checkpoint": {"AP": round(ckpt.mAP50_95, 4), "AP50": round(ckpt.mAP50, 4)},
+           "graph_scores": {"AP": round(onnx.mAP50_95, 4), "AP50": round(onnx.mAP50, 4)},
+           "graph_minus_checkpoint": record(d), "shown": shown(d), "tie": d.tie,
+           "same_detections": same(onnx), "by_batch": by_batch,
+           "batch_invariant": all(len({b[k] for b in by_batch.values()}) == 1 for k in ("checkpoint", "graph")),
+           "seconds": {k: round(m.seconds, 1) for k, m in scores.items()}}
+    for name in ("float64", "unoptimized graph"):
+        if name in scores:
+            d = PairedBootstrap(ckpt)(scores[name])
+            row[name.replace(" ", "_")] = {"AP": round(scores[name].mAP50_95, 4), "minus_checkpoint": record(d),
+                                           "shown": shown(d), "same_detections": same(scores[name])}
+    return row
 
 
 def render(doc: dict) -> str:
+    batches = doc["batch_size"]
     lines = [f"# {doc['label']}: checkpoints against their graphs", "",
              f"Made by `{doc['command']}` ({doc['date']}, {doc['machine']}): each quantized checkpoint scored in PyTorch "
-             f"(fake quantization) and its `export_qat.py --dynamic` graph on ONNX Runtime, both on the CPU, batch "
-             f"{doc['batch_size']}, the one protocol, {doc['imgsz']} px, mAP50-95. `graph - checkpoint` carries its 95% "
-             f"paired-bootstrap interval over the images; `same detections`: images whose detections agree (count, "
-             f"classes, confidences within {doc['conf_tol']}, matches).", "",
-             "| checkpoint | checkpoint | graph | graph - checkpoint | same detections |", "|---|---|---|---|---|"]
+             f"(fake quantization) and its `export_qat.py --dynamic` graph on ONNX Runtime, both on the CPU, the one "
+             f"protocol, {doc['imgsz']} px, mAP50-95, compared at batch {batches[0]}. `graph - checkpoint` carries its "
+             f"95% paired-bootstrap interval over the images; `same detections`: images whose detections agree (count, "
+             f"classes, confidences within {doc['conf_tol']}, matches); `by batch`: checkpoint / graph scored again at "
+             f"each batch, which the one protocol makes the same.", "",
+             "| checkpoint | checkpoint | graph | graph - checkpoint | same detections | by batch |",
+             "|---|---|---|---|---|---|"]
     for r in doc["rows"]:
+        by_batch = ", ".join(f"{b}: {s['checkpoint']:.4f} / {s['graph']:.4f}" for b, s in r["by_batch"].items())
         lines.append(f"| {Path(r['weights']).name} | {r['checkpoint']['AP']:.4f} | {r['graph_scores']['AP']:.4f} | "
-                     f"{r['shown']} | {r['same_detections']} / {r['images']} |")
+                     f"{r['shown']} | {r['same_detections']} / {r['images']} | {by_batch}"
+                     f"{'' if r['batch_invariant'] else ' (differ)'} |")
+    bands = [(r, k) for r in doc["rows"] for k in ("float64", "unoptimized_graph") if k in r]
+    if bands:
+        lines += ["", "The same model under another arithmetic, the band to read `graph - checkpoint` against: "
+                  "`float64`, the checkpoint computed in float64 in PyTorch (the same scales and rounding); "
+                  "`unoptimized graph`, the graph on ONNX Runtime with its basic rewrites only (each operator as ONNX "
+                  "defines it, no fused integer kernels).", "",
+                  "| checkpoint | scored as | AP | minus checkpoint | same detections |", "|---|---|---|---|---|"]
+        lines += [f"| {Path(r['weights']).name} | {k.replace('_', ' ')} | {r[k]['AP']:.4f} | {r[k]['shown']} | "
+                  f"{r[k]['same_detections']} / {r['images']} |" for r, k in bands]
     return "\n".join(lines) + "\n"
 
 

@@ -356,8 +356,9 @@ def plot(doc: dict, path: Path) -> None:
     ax.axvline(0, color="grey", lw=0.8)
     ax.set_yticks(range(len(points)), [n for n, _ in points], fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlabel("mAP50-95 minus FP on the same runtime, 95% paired-bootstrap interval (red: excludes 0)",
-                  fontsize=8)
+    ax.set_xlabel("mAP50-95 minus FP (same runtime; 95% paired interval, red where it excludes 0)", fontsize=8)
+    ax.locator_params(axis="x", nbins=6)
+    ax.tick_params(axis="x", labelsize=8)
     ax.set_title(doc["label"], fontsize=9)
     fig.tight_layout()
     with atomic_path(path) as tmp:

@@ -320,7 +320,8 @@ def test_ckpt_vs_graph_same_detections():
 def test_ckpt_vs_graph_scores_a_checkpoint_and_its_graph(yolov9_tree, shapes, tmp_path):
     """benchmarks/ckpt_vs_graph.py on a quickly calibrated embedded model (shapes, 64 px): the checkpoint in PyTorch
     and its exported graph on ONNX Runtime scored alike, their difference with its interval, most images with the
-    same detections; a floating-point checkpoint is refused in one sentence, before anything is written."""
+    same detections, both scores the same at another batch, the float64 checkpoint and the unoptimized graph scored
+    near it; a floating-point checkpoint is refused in one sentence, before anything is written."""
     import yaml
 
     from helpers import quantized_checkpoint, real_images
@@ -330,16 +331,24 @@ def test_ckpt_vs_graph_scores_a_checkpoint_and_its_graph(yolov9_tree, shapes, tm
     train = train if train.is_absolute() else shapes.parent / train
     _, pt = quantized_checkpoint(checkpoint.load_fp(QS), real_images(train, 4, 64), tmp_path / "q.pt")
     out = tmp_path / "out"
-    common = ["--data", str(shapes), "--imgsz", "64", "--batch-size", "8", "--workers", "0", "--out", str(out),
+    common = ["--data", str(shapes), "--imgsz", "64", "--batch-size", "8", "4", "--workers", "0", "--out", str(out),
               "--label", "qs"]
-    doc = _main(yolov9_tree, "ckpt_vs_graph", "--weights", str(pt), *common)
+    doc = _main(yolov9_tree, "ckpt_vs_graph", "--weights", str(pt), "--float64", "--unoptimized", *common)
     (row,) = doc["rows"]
     diff = row["graph_minus_checkpoint"]
-    assert row["images"] == 16 and 0.3 < row["checkpoint"]["AP"] <= 1
+    assert row["images"] == 16 and 0.1 < row["checkpoint"]["AP"] <= 1  # 4 calibration images at 64 px: ~0.19
+    assert abs(row["graph_scores"]["AP"] - row["checkpoint"]["AP"]) < 0.02
     assert abs(diff["AP"] - (row["graph_scores"]["AP"] - row["checkpoint"]["AP"])) < 2e-4
     assert diff["interval"][0] <= diff["interval"][1] and row["tie"] == (diff["interval"][0] <= 0 <= diff["interval"][1])
     assert 8 <= row["same_detections"] <= 16 and Path(row["graph"]).is_file()
-    assert "| q.pt |" in (out / "qs.md").read_text()
+    assert set(row["by_batch"]) == {"8", "4"} and row["batch_invariant"]  # the one protocol: the batch moves nothing
+    assert row["by_batch"]["8"] == {"checkpoint": row["checkpoint"]["AP"], "graph": row["graph_scores"]["AP"]}
+    for band in ("float64", "unoptimized_graph"):  # the same model under another arithmetic: a score near it
+        b = row[band]
+        assert abs(b["AP"] - row["checkpoint"]["AP"]) < 0.02 and 0 <= b["same_detections"] <= 16
+        assert abs(b["minus_checkpoint"]["AP"] - (b["AP"] - row["checkpoint"]["AP"])) < 2e-4
+    md = (out / "qs.md").read_text()
+    assert "| q.pt |" in md and "4: " in md and "| q.pt | float64 |" in md and "| q.pt | unoptimized graph |" in md
     with pytest.raises(QATError, match="is a floating-point checkpoint; pass a quantized one"):
         _main(yolov9_tree, "ckpt_vs_graph", "--weights", str(QS), *common[:-4], "--out", str(tmp_path / "fp"))
     assert not (tmp_path / "fp").exists()

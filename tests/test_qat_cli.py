@@ -250,13 +250,16 @@ def test_ptq_only_and_no_eval_flags(yolov9_tree, shapes, tmp_path):
     r = run_tool(yolov9_tree, "qat.py", "quantize", "--weights", str(QS), "--data", str(shapes), "--device", "cpu",
                  "--imgsz", IMGSZ, "--batch-size", "8", "--calib-batches", "1", "--calib-method", "max",
                  "--project", str(tmp_path), "--name", "p", "--no-eval-origin", "--no-eval-ptq", "--ptq-only",
-                 "--skip-layers", "22", "--workers", "2")
+                 "--skip-layers", "22", "--pool-scale", "own", "--workers", "2")
     assert r.returncode == 0, r.stderr[-3000:]
     assert [p.name for p in (tmp_path / "p" / "weights").iterdir()] == ["ptq_gelan-qs-shapes.pt"]
     assert json.loads((tmp_path / "p" / "report.json").read_text())["models"] == []
+    said = "No model was evaluated in this run (--no-eval-origin, --no-eval-ptq)"
+    assert said in r.stdout and said in (tmp_path / "p" / "report.md").read_text() and "| Model |" not in r.stdout
     from utils.qat.model import checkpoint
     ckpt = checkpoint.read(tmp_path / "p" / "weights" / "ptq_gelan-qs-shapes.pt")
     assert ckpt["quant"]["skip"] == ["22"] and ckpt["quant"]["calib_method"] == "max"
+    assert ckpt["quant"]["pool_scale"] == "own"
 
 
 def _error(tree, tmp_path, *args) -> str:

@@ -461,6 +461,45 @@ def test_tie_mse_gives_each_group_one_scale_from_its_histograms(gelan_c_fp, cali
     assert QuantInfo.from_dict({"calib_method": "mse"}).config.tie == "max"  # checkpoints from before the option
 
 
+@pytest.mark.slow
+def test_pool_scale_own_stops_averages_landing_on_rounding_ties(gelan_c_fp, calib_images):
+    """``QuantConfig(pool_scale="own")``: each ADown's average pool output gets its own calibrated amax (the chunk
+    after it still shares one), where ``shared`` ties it to the pool's input; with shared scales a large share of
+    the averages of INT8 values sit exactly on a rounding tie of the next quantizer, with their own scale almost
+    none. The setting travels in the checkpoint's record; older records read as ``shared``."""
+    import torch.nn.functional as F
+
+    from utils.qat.core.errors import QATError
+    from utils.qat.quantize.config import QuantInfo
+    from utils.qat.quantize.model_quant import QuantConfig, quantize
+    runs = {mode: quantize(gelan_c_fp, [calib_images], QuantConfig(method="max", head_amax="calibrated",
+                                                                   pool_scale=mode), example=calib_images[:1])
+            for mode in ("shared", "own")}
+    ties = {}
+    for mode, (qmodel, info) in runs.items():
+        pools = [m for m in qmodel.modules() if type(m).__name__ == "QuantADown"]
+        assert len(pools) == 5
+        seen = []
+        hooks = [m.avgpool_input_quantizer.register_forward_hook(lambda m, i, o: seen.append(o)) for m in pools]
+        with torch.no_grad():
+            qmodel.eval()(calib_images[:1])
+        for h in hooks:
+            h.remove()
+        fractions = []
+        for m, x in zip(pools, seen):
+            s_in, s_out = float(m.avgpool_input_quantizer.amax) / 127, float(m.cv1.conv.input_quantizer.amax) / 127
+            assert float(m.maxpool_input_quantizer.amax) == s_out * 127  # the two halves of the pool's output
+            assert (s_in == s_out) == (mode == "shared")
+            codes = F.avg_pool2d(torch.round(x.double() / s_in), 2, 1, 0, False, True) * s_in / s_out
+            fractions.append(float(((codes - torch.floor(codes)) == 0.5).double().mean()))
+        ties[mode] = fractions
+        assert QuantInfo.from_dict(info.to_dict()).config.pool_scale == mode
+    assert min(ties["shared"]) > 0.1 and max(ties["own"]) < 0.01, ties
+    assert QuantInfo.from_dict({"calib_method": "max"}).config.pool_scale == "shared"
+    with pytest.raises(QATError, match="unknown --pool-scale 'mine'; choose one of shared, own"):
+        QuantConfig(pool_scale="mine")
+
+
 def test_mse_amax_on_a_grown_histogram(yolov9_tree):
     """modelopt grows a histogram with torch.arange, which can leave one bin edge more than there are bins
     (found calibrating the embedded segmentation model); the MSE search takes histc's own edges then."""

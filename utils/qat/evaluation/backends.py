@@ -125,11 +125,13 @@ def _missing_onnx(path: Path) -> QATError:
 
 class ORTBackend(_GraphBackend):
     """Runs an exported ONNX graph (plain or End2End) with ONNX Runtime. ``threads``: its intra-op threads
-    (None: ONNX Runtime's default, one per core)."""
+    (None: ONNX Runtime's default, one per core). ``optimize=False`` keeps ONNX Runtime to its basic graph rewrites
+    (constant folding, no fused integer kernels): the graph computed as ONNX defines each operator."""
 
     runtime = "ONNX Runtime"
 
-    def __init__(self, onnx_path: str | Path, device: torch.device | str = "cpu", *, threads: int | None = None):
+    def __init__(self, onnx_path: str | Path, device: torch.device | str = "cpu", *, threads: int | None = None,
+                 optimize: bool = True):
         import onnxruntime as ort
         onnx_path = Path(onnx_path)
         if not onnx_path.is_file():
@@ -142,6 +144,8 @@ class ORTBackend(_GraphBackend):
             providers.insert(0, ("CUDAExecutionProvider", {"device_id": device.index or 0}))
         opts = ort.SessionOptions()
         opts.log_severity_level = 3
+        if not optimize:
+            opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
         if threads:
             opts.intra_op_num_threads = threads
             opts.inter_op_num_threads = 1

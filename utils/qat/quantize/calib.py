@@ -102,7 +102,8 @@ def _calibrate(model: nn.Module, batches: Iterable[torch.Tensor], config: QuantC
     finally:
         hists.close()
         model.train(training)
-    groups = rules.scale_groups(model, example)  # the calibrators keep their histograms for tie="mse"
+    # the calibrators keep their histograms for tie="mse"
+    groups = rules.scale_groups(model, example, shared_pool=config.pool_scale == "shared")
     rules.tie_scales(model, groups, _group_amax(model) if config.tie == "mse" else None)
     search = search_head_amax(model, kept, groups, layers=config.search_layers,
                               head=config.head_amax == "search") if config.searches else {}

@@ -26,6 +26,8 @@ HEAD_AMAX = ("calibrated", "search")  # the detect head's input scales: as calib
 DEFAULT_HEAD_AMAX = "search"
 TIES = ("max", "mse")  # one amax for a shared-scale group: its members' largest, or the group's least squared error
 DEFAULT_TIE = "max"
+POOL_SCALES = ("shared", "own")  # an average pool's output: on its input's scale (TensorRT's pooling), or its own
+DEFAULT_POOL_SCALE = "shared"
 DEFAULT_HEAD_BATCHES = 4  # calibration batches the head search scores each candidate on
 
 # ``--search-layers auto`` (the default): detection models calibrated on a GPU search their first layers' scales and
@@ -83,7 +85,9 @@ class QuantConfig:
     candidate on ``head_batches`` calibration batches), the body layers whose activation scales are searched the
     same way first (``search_layers``: indices of ``model.model``), and how a shared-scale group gets its one amax
     (``tie``: ``max``, its members' largest; ``mse``, the value with the least squared error summed over the
-    members' histograms)."""
+    members' histograms), and whether an average pool's output shares its input's scale (``pool_scale="shared"``)
+    or is calibrated on its own (``"own"``: its averages of INT8 values then stop landing on rounding ties, which
+    each runtime's float arithmetic breaks its own way; docs/RESULTS.md "A checkpoint against its graph")."""
     method: str = DEFAULT_CALIB_METHOD
     percentile: float = DEFAULT_PERCENTILE
     skip: tuple[str, ...] = ()
@@ -91,6 +95,7 @@ class QuantConfig:
     tie: str = DEFAULT_TIE
     head_batches: int = DEFAULT_HEAD_BATCHES
     search_layers: tuple[int, ...] = ()
+    pool_scale: str = DEFAULT_POOL_SCALE
 
     @property
     def searches(self) -> bool:
@@ -104,6 +109,8 @@ class QuantConfig:
             raise QATError(f"unknown --head-amax '{self.head_amax}'; choose one of {', '.join(HEAD_AMAX)}.")
         if self.tie not in TIES:
             raise QATError(f"unknown --tie '{self.tie}'; choose one of {', '.join(TIES)}.")
+        if self.pool_scale not in POOL_SCALES:
+            raise QATError(f"unknown --pool-scale '{self.pool_scale}'; choose one of {', '.join(POOL_SCALES)}.")
         object.__setattr__(self, "skip", tuple(str(s).strip() for s in self.skip if str(s).strip()))
         object.__setattr__(self, "search_layers", tuple(sorted({int(i) for i in self.search_layers})))
 
@@ -124,7 +131,7 @@ class QuantInfo:
         return {"calib_method": self.config.method, "percentile": self.config.percentile,
                 "skip": list(self.config.skip), "head_amax": self.config.head_amax, "tie": self.config.tie,
                 "head_batches": self.config.head_batches, "search_layers": list(self.config.search_layers),
-                "fp_patterns": list(self.fp_patterns),
+                "pool_scale": self.config.pool_scale, "fp_patterns": list(self.fp_patterns),
                 "scale_groups": [list(g) for g in self.scale_groups], "head_search": dict(self.head_search)}
 
     @classmethod
@@ -133,6 +140,7 @@ class QuantInfo:
                              percentile=d.get("percentile", DEFAULT_PERCENTILE), skip=tuple(d.get("skip", ())),
                              head_amax=d.get("head_amax", "calibrated"),  # older checkpoints: no search
                              tie=d.get("tie", "max"), head_batches=d.get("head_batches", DEFAULT_HEAD_BATCHES),
-                             search_layers=tuple(d.get("search_layers", ())))
+                             search_layers=tuple(d.get("search_layers", ())),
+                             pool_scale=d.get("pool_scale", DEFAULT_POOL_SCALE))
         return cls(config, fp_patterns=list(d.get("fp_patterns", ())),
                    scale_groups=[list(g) for g in d.get("scale_groups", ())], head_search=dict(d.get("head_search", {})))

@@ -151,15 +151,16 @@ def fp_patterns(model: nn.Module, skip: Iterable[str | int]) -> list[str]:
 # ---- shared scales, derived from one traced forward pass ----------------------------------------
 
 class _FlowRecorder(TorchFunctionMode):
-    """Records which tensors a scale-transparent operation connects."""
+    """Records which tensors a scale-transparent operation (one of ``transparent``) connects."""
 
-    def __init__(self):
+    def __init__(self, transparent: frozenset[str] | set[str] = frozenset(SCALE_TRANSPARENT)):
         super().__init__()
+        self.transparent = transparent
         self.links: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if getattr(func, "__name__", "") in SCALE_TRANSPARENT:
+        if getattr(func, "__name__", "") in self.transparent:
             self.links.append((flat_tensors((args, kwargs)), flat_tensors(out)))
         return out
 
@@ -196,14 +197,15 @@ def input_quantizers(model: nn.Module, enabled_only: bool = True) -> dict[str, T
 
 
 @torch.no_grad()
-def scale_groups(model: nn.Module, example: torch.Tensor) -> list[list[str]]:
-    """Groups (of two or more) of enabled input-quantizer names that must share one amax."""
+def scale_groups(model: nn.Module, example: torch.Tensor, shared_pool: bool = True) -> list[list[str]]:
+    """Groups (of two or more) of enabled input-quantizer names that must share one amax. ``shared_pool=False``:
+    an average pool's output is not tied to its input (its quantizer keeps its own calibrated amax)."""
     from utils.qat.quantize.state import quantizers_off
     quantizers = input_quantizers(model)
     seen: dict[str, list[torch.Tensor]] = {n: [] for n in quantizers}
     keep: list[torch.Tensor] = []  # keeps traced tensors alive, so their ids stay unique
     hooks = [q.register_forward_pre_hook(lambda m, a, n=n: seen[n].append(a[0])) for n, q in quantizers.items()]
-    recorder = _FlowRecorder()
+    recorder = _FlowRecorder(set(SCALE_TRANSPARENT) if shared_pool else set(SCALE_TRANSPARENT) - {"avg_pool2d"})
     training = model.training
     try:
         model.eval()

@@ -12,6 +12,8 @@ if TYPE_CHECKING:
 
 #: Report keys of the primary scores (``evaluate.Scores`` field -> key; the reference README's naming, which
 #: report.json and results.json keep: AP is mAP50_95).
+NOTHING_EVALUATED = ("No model was evaluated in this run (--no-eval-origin, --no-eval-ptq); score a checkpoint with "
+                     "`qat.py eval --weights ...`.")
 KEYS = {"mAP50_95": "AP", "mAP50": "AP50", "P": "Precision", "R": "Recall"}
 #: Keys inside the Box / Mask groups of segmentation rows.
 GROUP_KEYS = {"P": "P", "R": "R", "mAP50": "mAP50", "mAP50_95": "mAP50-95"}
@@ -141,7 +143,7 @@ def deltas(rows: list[dict], reference: str = "Origin") -> list[dict]:
 
 
 def comparison_markdown(rows: list[dict], title: str, selection: dict | None = None, budget: dict | None = None) -> str:
-    parts = [f"# {title}", "", "## Evaluation results", "", table(rows)]
+    parts = [f"# {title}", "", "## Evaluation results", "", table(rows) if rows else NOTHING_EVALUATED]
     diff = deltas(rows)
     if diff:
         parts += ["", "## Evaluation comparison", "", table(diff, first="Comparison")]

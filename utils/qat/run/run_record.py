@@ -40,6 +40,9 @@ def ap_record(m: Any) -> dict:
 def print_table(rows: list[dict]) -> None:
     """The evaluated models, then their differences from Origin (when it was evaluated)."""
     print()
+    if not rows:
+        print(reports.NOTHING_EVALUATED)
+        return
     print(reports.table(rows))
     diff = reports.deltas(rows)
     if diff:
