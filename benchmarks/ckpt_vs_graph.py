@@ -62,6 +62,10 @@ def get_args_parser() -> argparse.ArgumentParser:
     return p
 
 
+COMPARED = ("checkpoint", "graph")  # scored at every --batch-size, compared image by image
+BANDS = ("float64", "unoptimized_graph")  # the same model under another arithmetic, scored at the first batch only
+
+
 def same_detections(a, b, tol: float) -> bool:
     """Whether two per-image statistics ``(correct, conf, pred_cls, target_cls)`` hold the same detections: as many,
     of the same classes, confidences within ``tol``, matched to the labels alike (compared in confidence order)."""
@@ -115,15 +119,15 @@ def compare(weights: Path, graph: Path | None, data: dict, args: argparse.Namesp
     if args.float64:
         backends.append(("float64", _float64(qmodel, task)))
     if args.unoptimized:
-        backends.append(("unoptimized graph", ORTBackend(graph, optimize=False)))
+        backends.append(("unoptimized_graph", ORTBackend(graph, optimize=False)))
     for name, backend in backends:
-        for batch in args.batch_size if name in ("checkpoint", "graph") else args.batch_size[:1]:
+        for batch in args.batch_size if name in COMPARED else args.batch_size[:1]:
             start = time.time()
             m = evaluate(backend, data, task=task, imgsz=args.imgsz, batch_size=batch, workers=args.workers,
-                         num_images=args.num_image, desc=f"{weights.name}: {name}, batch {batch}")
+                         num_images=args.num_image, desc=f"{weights.name}: {name.replace('_', ' ')}, batch {batch}")
             m.seconds = time.time() - start
             scores.setdefault(name, m)  # the first batch is the one compared image by image
-            if name in ("checkpoint", "graph"):
+            if name in COMPARED:
                 by_batch.setdefault(str(batch), {})[name] = round(m.mAP50_95, 4)
     ckpt, onnx = scores["checkpoint"], scores["graph"]
     d = PairedBootstrap(ckpt)(onnx)
@@ -137,13 +141,13 @@ def compare(weights: Path, graph: Path | None, data: dict, args: argparse.Namesp
            "graph_scores": {"AP": round(onnx.mAP50_95, 4), "AP50": round(onnx.mAP50, 4)},
            "graph_minus_checkpoint": record(d), "shown": shown(d), "tie": d.tie,
            "same_detections": same(onnx), "by_batch": by_batch,
-           "batch_invariant": all(len({b[k] for b in by_batch.values()}) == 1 for k in ("checkpoint", "graph")),
+           "batch_invariant": all(len({b[k] for b in by_batch.values()}) == 1 for k in COMPARED),
            "seconds": {k: round(m.seconds, 1) for k, m in scores.items()}}
-    for name in ("float64", "unoptimized graph"):
+    for name in BANDS:
         if name in scores:
             d = PairedBootstrap(ckpt)(scores[name])
-            row[name.replace(" ", "_")] = {"AP": round(scores[name].mAP50_95, 4), "minus_checkpoint": record(d),
-                                           "shown": shown(d), "same_detections": same(scores[name])}
+            row[name] = {"AP": round(scores[name].mAP50_95, 4), "minus_checkpoint": record(d), "shown": shown(d),
+                         "same_detections": same(scores[name])}
     return row
 
 
@@ -163,7 +167,7 @@ def render(doc: dict) -> str:
         lines.append(f"| {Path(r['weights']).name} | {r['checkpoint']['AP']:.4f} | {r['graph_scores']['AP']:.4f} | "
                      f"{r['shown']} | {r['same_detections']} / {r['images']} | {by_batch}"
                      f"{'' if r['batch_invariant'] else ' (differ)'} |")
-    bands = [(r, k) for r in doc["rows"] for k in ("float64", "unoptimized_graph") if k in r]
+    bands = [(r, k) for r in doc["rows"] for k in BANDS if k in r]
     if bands:
         lines += ["", "The same model under another arithmetic, the band to read `graph - checkpoint` against: "
                   "`float64`, the checkpoint computed in float64 in PyTorch (the same scales and rounding); "

@@ -153,7 +153,7 @@ def fp_patterns(model: nn.Module, skip: Iterable[str | int]) -> list[str]:
 class _FlowRecorder(TorchFunctionMode):
     """Records which tensors a scale-transparent operation (one of ``transparent``) connects."""
 
-    def __init__(self, transparent: frozenset[str] | set[str] = frozenset(SCALE_TRANSPARENT)):
+    def __init__(self, transparent: set[str] = SCALE_TRANSPARENT):
         super().__init__()
         self.transparent = transparent
         self.links: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
@@ -205,7 +205,7 @@ def scale_groups(model: nn.Module, example: torch.Tensor, shared_pool: bool = Tr
     seen: dict[str, list[torch.Tensor]] = {n: [] for n in quantizers}
     keep: list[torch.Tensor] = []  # keeps traced tensors alive, so their ids stay unique
     hooks = [q.register_forward_pre_hook(lambda m, a, n=n: seen[n].append(a[0])) for n, q in quantizers.items()]
-    recorder = _FlowRecorder(set(SCALE_TRANSPARENT) if shared_pool else set(SCALE_TRANSPARENT) - {"avg_pool2d"})
+    recorder = _FlowRecorder(SCALE_TRANSPARENT if shared_pool else SCALE_TRANSPARENT - {"avg_pool2d"})
     training = model.training
     try:
         model.eval()
