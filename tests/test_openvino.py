@@ -548,3 +548,49 @@ def test_the_openvino_probe_is_exact_on_onnx_runtime_and_says_what_openvino_does
         assert not openvino_int8_exact()
     assert OpenVINOBackend(graphs["INT8"]).inexact is not openvino_int8_exact()
     assert not OpenVINOBackend(graphs["FP32"]).inexact
+
+
+def test_ov_profile_compares_every_convolution_and_times_the_mixed_graphs(yolov9_tree, openvino, graphs, tmp_path):
+    """benchmarks/ov_profile.py on the quickstart graphs (64 px, few runs): every quantized convolution profiled in
+    both graphs with its channels, each mixed graph reading float input at exactly the convolutions it names (the
+    rest keep their Q/DQ), every graph timed at each batch with its ratio to the FP graph at the default precision;
+    a missing graph is refused in one sentence before anything is written."""
+    import importlib.util
+
+    from utils.qat.core.errors import QATError
+    from utils.qat.evaluation.cpu_bench import _onnx_conv_inputs
+    spec = importlib.util.spec_from_file_location("ov_profile", REPO / "benchmarks" / "ov_profile.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "prof"
+    argv = ["--fp", str(graphs["FP32"]), "--int8", str(graphs["INT8"]), "--imgsz", "64", "--batch", "1", "2",
+            "--runs", "2", "--profile-runs", "2", "--warmup", "0", "--out", str(out), "--label", "qs"]
+    doc = bench.main(bench.get_args_parser().parse_args(argv))
+    int8_inputs = _onnx_conv_inputs(graphs["INT8"])
+    quantized = {n for n, (act, _w) in int8_inputs.items() if act}
+    channels = bench.conv_channels(graphs["INT8"])
+    profiled = {c["conv"]: c for c in doc["convs"]}
+    assert quantized <= set(profiled) and len(quantized) >= 140
+    fp_convs = set(_onnx_conv_inputs(graphs["FP32"]))
+    for name in quantized:  # the FP graph keeps RepConv's two convolutions (other names) where the INT8 graph has one
+        c = profiled[name]
+        assert c["int8_precision"] in ("i8", "u8") and tuple(c["channels"]) == channels[name]
+        assert (c["fp_us"] is not None) is (name in fp_convs)
+    assert sum(c["fp_us"] is not None for c in profiled.values()) >= 0.85 * len(profiled)
+    assert channels["/model/model.0/conv/Conv"][0] == 3
+    assert set(doc["variants"]) == set(bench.VARIANTS) and doc["variants"]["first"] == ["/model/model.0/conv/Conv"]
+    assert set(doc["variants"]["cin32"]) == {n for n in quantized if channels[n][0] <= 32}
+    for name, bypassed in doc["variants"].items():
+        mixed = _onnx_conv_inputs(out / "qs-graphs" / f"int8-{name}.onnx")
+        assert {n for n, (act, _w) in mixed.items() if not act} == set(bypassed) | (set(int8_inputs) - quantized)
+    assert set(doc["timing_ms"]) == {"1", "2"}
+    for ms in doc["timing_ms"].values():
+        assert len(ms) == 4 + len(bench.VARIANTS) and all(v > 0 for v in ms.values())
+    md = (out / "qs.md").read_text()
+    assert f"INT8 against OpenVINO's default precision ({doc['default_precision']})" in md
+    assert "| FP32 graph, default precision | " in md and " 1.00x | 1.00x |" in md and "| INT8, first in float |" in md
+    assert json.loads((out / "qs.json").read_text())["convs"] == json.loads(json.dumps(doc["convs"]))
+    with pytest.raises(QATError, match="does not exist; pass the FP32 graph and its INT8 graph"):
+        bench.main(bench.get_args_parser().parse_args(["--fp", str(tmp_path / "none.onnx"), *argv[2:-4],
+                                                       "--out", str(tmp_path / "no"), "--label", "x"]))
+    assert not (tmp_path / "no").exists()

@@ -86,11 +86,12 @@ def test_search_lowers_the_head_loss_and_touches_only_head_scales(calibrated, im
 
 
 def test_head_candidates_run_only_their_branch(calibrated, images):
-    """Off the GPU a head candidate runs only the branch whose scale it changes (``_Branches``): the same choices,
-    losses and amax in every bit as running the whole head per candidate, for a bounded count of convolutions: per
-    batch, the whole head three times (the FP targets, the loss before, the branches' outputs kept), then each unit's
-    branch once per candidate and once more with its kept scale. The whole-head path runs every head convolution
-    per candidate."""
+    """Off the GPU a head candidate runs only the branch whose scale it changes, from the first of its layers that
+    holds the scale (``_Branches``), and its loss recomputes only the level parts that changed
+    (``HeadDistillation``): the same choices, losses and amax in every bit as running the whole head per candidate,
+    for a bounded count of convolutions: per batch, the whole head three times (the FP targets, the loss before, the
+    branches' outputs kept), then each unit's layers once per candidate and once more with its kept scale. The
+    whole-head path runs every head convolution per candidate."""
     import copy
 
     from utils.qat.quantize import head
@@ -102,8 +103,8 @@ def test_head_candidates_run_only_their_branch(calibrated, images):
     def search(branches: bool) -> tuple[dict, dict, int, dict]:
         model = copy.deepcopy(qmodel)
         modules = dict(model.named_modules())
-        for n in units[0]:  # a coarse scale, so that the search has something to move
-            modules[n].amax = modules[n].amax * 1.5
+        for n in units[0]:  # a scale coarse enough (3x) that the search moves it on any host's arithmetic
+            modules[n].amax = modules[n].amax * 3.0
         detect = model.model[-1]
         runs: list[str] = []
         convs = {n: m for n, m in detect.named_modules() if isinstance(m, torch.nn.Conv2d)}
@@ -116,15 +117,51 @@ def test_head_candidates_run_only_their_branch(calibrated, images):
     assert split == whole and split["factors"][units[0][0]] != 1.0
     assert s_amax.keys() == w_amax.keys() and all(torch.equal(s_amax[n], w_amax[n]) for n in w_amax)
     split_of = head._Branches(qmodel.model[-1], f"model.{len(qmodel.model) - 1}.")
-    per_branch = {b: sum(1 for n in convs if n.startswith(b + ".")) for b in split_of.modules}
+
+    def convs_from(branch: str, start: int) -> int:  # the convolutions of a branch's layers from ``start`` on
+        layers = list(split_of.modules[branch])[start:]
+        return sum(1 for layer in layers for m in layer.modules() if isinstance(m, torch.nn.Conv2d))
+
+    per_branch = {b: convs_from(b, 0) for b in split_of.modules}
+    starts = [split_of.of(u) for u in units]
     candidates = len(head.FACTORS) - 1
-    unit_convs = [sum(per_branch[b] for b in split_of.of(u)) for u in units]
+    unit_convs = [sum(convs_from(b, s) for b, s in found.items()) for found in starts]
     whole_head = sum(per_branch.values())  # the convolutions of the head's training form (not the DFL's)
-    assert len(per_branch) == 6 and whole_head >= 18
+    assert len(per_branch) == 6 and whole_head >= 18 and whole_head == len(convs) - 1
+    assert sum(1 for found in starts if min(found.values()) > 0) >= len(units) // 2  # units inside a branch
     assert s_runs == len(batches) * (3 * whole_head + (candidates + 1) * sum(unit_convs[:-1])
                                      + candidates * unit_convs[-1])
     assert w_runs == len(batches) * whole_head * (2 + candidates * len(units))
-    assert 4 * s_runs < w_runs
+    assert 6 * s_runs < w_runs  # 538 against 3816 convolutions on this model
+
+
+def test_head_loss_recomputes_only_what_changed(calibrated, images):
+    """``HeadDistillation`` gives ``head_distillation``'s value in every bit, for a first student and for one that
+    differs from it in one part of one level, whose other parts' terms it keeps (the same tensors)."""
+    import copy
+
+    from utils.qat.quantize.objectives import HeadDistillation, head_distillation
+    from utils.qat.quantize.state import quantizers_off
+    qmodel, _ = calibrated
+    model = copy.deepcopy(qmodel)
+    detect = model.model[-1]
+    model.eval()
+    detect.train()
+    with torch.no_grad():
+        student = model(images)
+        with quantizers_off([m for n, m in model.named_modules() if n.endswith("_quantizer")]):
+            teacher = model(images)
+    loss = HeadDistillation(teacher, detect.reg_max, detect.nc)
+    assert [len(level) for level in loss.kept] == [0, 0, 0]
+    assert loss(student) == head_distillation(student, teacher, detect.reg_max, detect.nc)
+    kept = [dict(level) for level in loss.kept]
+    moved = [t.clone() for t in student]
+    moved[1][:, 4 * detect.reg_max:] += 0.25  # level 1's class logits
+    want = head_distillation(moved, teacher, detect.reg_max, detect.nc)
+    assert loss(moved) == want and want["cls"] != head_distillation(student, teacher, detect.reg_max, detect.nc)["cls"]
+    for i, level in enumerate(loss.kept):
+        for part in ("cls", "box"):
+            assert (level[part][1] is kept[i][part][1]) == ((i, part) != (1, "cls")), (i, part)
 
 
 def test_head_in_fp_has_nothing_to_search(yolov9_tree, images, capsys):

@@ -22,10 +22,13 @@ multiples (:data:`BODY_FACTORS`): calibration picks each scale by the error of i
 model trained on COCO (YOLOv9-t) the mse scales of the early layers clip tails that the detections need
 (docs/QAT_RECIPE.md "A real COCO model: YOLOv9-t").
 
-Off the GPU a head candidate runs only the branch it changes (:class:`_Branches`): every other per-level branch of
-the head (``cv2.0``, ``cv3.1``, ...) gives the output it gave with the scales as chosen so far, kept from one run, so
-a candidate costs one branch instead of the whole head (on YOLOv9-t's six branches, about a sixth), and the loss is
-the same in every bit. ``tests/test_quantize_head.py`` counts the convolutions each path runs.
+Off the GPU a head candidate runs only what it changes (:class:`_Branches`): every other per-level branch of the
+head (``cv2.0``, ``cv3.1``, ...) gives the output it gave with the scales as chosen so far, kept from one run, and
+the changed branch runs only from its first layer that holds the candidate's scale, from the input that layer was
+given. The loss (``HeadDistillation``) keeps the teacher's terms and each level's class and box terms, and
+recomputes only the part whose map changed. A candidate costs a layer or two of one branch instead of the whole head
+(on the embedded model, about a seventh of the whole-head path's convolutions), and the loss is the same in every
+bit. ``tests/test_quantize_head.py`` counts the convolutions each path runs.
 
 On a GPU each candidate's run is replayed from a CUDA graph (``ValueGraph``, ``utils/qat/quantize/cuda_graph.py``),
 recorded again whenever the body search moves on to a later layer: the same losses, in every bit, as running it
@@ -163,23 +166,42 @@ class _Prefix:
 class _Branches:
     """The head's per-level branches (each element of its ModuleLists: DDetect's ``cv2.0`` ... ``cv3.2``), and what
     each gave for each batch with the scales as chosen so far. While a unit is scored (:meth:`live`), the others
-    return what they gave instead of running again: only the branches holding the unit's quantizers run, and the
-    head's output (and its loss) is the same in every bit as running it whole, since a branch's output depends only
-    on its own input and scales. A unit outside every branch runs the whole head."""
+    return what they gave instead of running again: only the branches holding the unit's quantizers run, and within
+    a branch that is a sequence of layers (DDetect's ``Conv, Conv, Conv2d``) only the layers from the first one
+    holding the unit's quantizers on, from the input that layer was given. The head's output (and its loss) is the
+    same in every bit as running it whole, since a layer's output depends only on its own input and scales. A unit
+    outside every branch runs the whole head."""
 
     def __init__(self, detect: nn.Module, prefix: str):
         self.prefix = prefix  # the head's name in the model, with its dot: 'model.22.'
         self.modules = {f"{name}.{j}": m for name, child in detect.named_children()
                         if isinstance(child, nn.ModuleList) for j, m in enumerate(child)}
-        self.inputs: dict[str, list] = {b: [] for b in self.modules}
+        self.steps: dict[str, list[list]] = {b: [] for b in self.modules}  # per batch, each layer's input
         self.outputs: dict[str, list] = {b: [] for b in self.modules}
         self.batch = 0
-        self.running: set[str] = set()  # the branches that ran for the last unit: their outputs are made again
+        self.running: dict[str, int] = {}  # the branches that ran for the last unit, from which layer
+
+    def _run(self, branch: str, x, start: int = 0) -> tuple[list, torch.Tensor]:
+        """The branch from layer ``start`` on, from that layer's input ``x``: the inputs of its layers from
+        ``start`` on, and its output (a branch that is no sequence runs whole)."""
+        module = self.modules[branch]
+        if not isinstance(module, nn.Sequential):
+            return [x], module(x)
+        inputs = []
+        for layer in list(module)[start:]:
+            inputs.append(x)
+            x = layer(x)
+        return inputs, x
 
     def record(self, detect: nn.Module, inputs: list[list[torch.Tensor]]) -> None:
-        """Run the whole head once per batch (``inputs``: its input per batch), keeping each branch's input and
-        output."""
-        hooks = [m.register_forward_hook(functools.partial(self._keep, b)) for b, m in self.modules.items()]
+        """Run the whole head once per batch (``inputs``: its input per batch), keeping each branch's layers'
+        inputs and its output."""
+        hooks = []
+        for b, m in self.modules.items():
+            hooks.append(m.register_forward_pre_hook(functools.partial(self._start, b)))
+            hooks.append(m.register_forward_hook(functools.partial(self._keep, b)))
+            layers = list(m) if isinstance(m, nn.Sequential) else []
+            hooks += [layer.register_forward_pre_hook(functools.partial(self._step, b)) for layer in layers[1:]]
         try:
             for features in inputs:
                 detect(list(features))
@@ -187,36 +209,47 @@ class _Branches:
             for h in hooks:
                 h.remove()
 
+    def _start(self, branch: str, module, args) -> None:
+        self.steps[branch].append([args[0]])
+
+    def _step(self, branch: str, module, args) -> None:
+        self.steps[branch][-1].append(args[0])
+
     def _keep(self, branch: str, module, args, output) -> None:
-        self.inputs[branch].append(args[0])
         self.outputs[branch].append(output)
 
-    def of(self, unit: list[str]) -> set[str] | None:
-        """The branches holding ``unit``'s quantizers, or None where one lies outside every branch."""
-        found = set()
+    def of(self, unit: list[str]) -> dict[str, int] | None:
+        """The branches holding ``unit``'s quantizers, each with the first of its layers that holds one (0 where the
+        branch is no sequence), or None where one lies outside every branch."""
+        found: dict[str, int] = {}
         for name in unit:
-            rest = name[len(self.prefix):] if name.startswith(self.prefix) else ""
-            branch = ".".join(rest.split(".")[:2])
+            rest = name[len(self.prefix):].split(".") if name.startswith(self.prefix) else []
+            branch = ".".join(rest[:2])
             if branch not in self.modules:
                 return None
-            found.add(branch)
+            layer = int(rest[2]) if isinstance(self.modules[branch], nn.Sequential) and rest[2].isdigit() else 0
+            found[branch] = min(found.get(branch, layer), layer)
         return found
 
-    def live(self, branches: set[str] | None) -> None:
-        """Score the next candidates with only ``branches`` running (None: all of them). The branches that ran for
-        the unit before have their outputs made again first, with the scale the search kept for it."""
-        for b in self.running:
-            if b in self.modules and self.inputs[b]:
-                self.outputs[b] = [self.modules[b](x) for x in self.inputs[b]]
+    def live(self, branches: dict[str, int] | None) -> None:
+        """Score the next candidates with only ``branches`` running, each from its layer (None: the whole head).
+        The branches that ran for the unit before have their layers' inputs and outputs made again first, from the
+        layer they ran from, with the scale the search kept for it."""
+        for b, start in self.running.items():
+            for i, steps in enumerate(self.steps[b]):
+                later, self.outputs[b][i] = self._run(b, steps[start], start)
+                steps[start:] = later
         for b, m in self.modules.items():
-            if branches is None or b in branches:
+            if branches is None:
                 m.__dict__.pop("forward", None)  # its own forward again
             else:
-                m.forward = functools.partial(self._recorded, b)
-        self.running = set(self.modules) if branches is None else set(branches)
+                m.forward = functools.partial(self._recorded, b, branches.get(b))
+        self.running = {b: 0 for b in self.modules} if branches is None else dict(branches)
 
-    def _recorded(self, branch: str, *_args):
-        return self.outputs[branch][self.batch]
+    def _recorded(self, branch: str, start: int | None, *_args):
+        if start is None:  # not changed by this unit: what it gave
+            return self.outputs[branch][self.batch]
+        return self._run(branch, self.steps[branch][self.batch][start], start)[1]
 
     def close(self) -> None:
         for m in self.modules.values():
@@ -268,7 +301,7 @@ def search_head_amax(model: nn.Module, batches: Iterable[torch.Tensor], groups: 
     on CUDA, score the candidates from a CUDA graph (``False``: eagerly; the same losses). ``branches``: score a
     head candidate by running only the branches it changes (:class:`_Branches`; None: where no CUDA graph replays
     them; the same losses)."""
-    from utils.qat.quantize.objectives import head_distillation
+    from utils.qat.quantize.objectives import HeadDistillation, head_distillation
     detect = model.model[-1]
     layers = sorted(set(layers))
     body_units = searchable(model, groups, layers, head=False)
@@ -335,8 +368,13 @@ def search_head_amax(model: nn.Module, batches: Iterable[torch.Tensor], groups: 
 
                     def enter_head(unit: list[str]) -> None:
                         split.live(split.of(unit))
-                    head_graph = ValueGraph(lambda: loss(split.head_outputs(detect, cached)), False,
-                                            "head amax search")
+                    # the teacher's terms once, and each level's terms again only where a branch changed them
+                    teachers = [HeadDistillation(target, detect.reg_max, detect.nc) for target in targets]
+
+                    def split_loss() -> torch.Tensor:
+                        return torch.stack([sum(teacher(out).values()) for teacher, out
+                                            in zip(teachers, split.head_outputs(detect, cached))])
+                    head_graph = ValueGraph(split_loss, False, "head amax search")
                 try:
                     found, best_loss = _descend(head_units, modules, lambda: mean(head_graph), best_loss, factors,
                                                 "head amax search", enter=enter_head)

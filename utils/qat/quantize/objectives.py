@@ -92,6 +92,65 @@ def head_distillation(student_out, teacher_out, reg_max: int, nc: int) -> dict[s
     return parts
 
 
+class HeadDistillation:
+    """:func:`head_distillation` against one fixed teacher output, called for many students (the amax search's
+    candidates, each of which moves one branch of the head):
+
+        loss = HeadDistillation(teacher_out, reg_max, nc)
+        parts = loss(student_out)          # the same values, in every bit, as head_distillation(student_out, ...)
+
+    The teacher's terms (class probabilities and their entropy, box log-distributions, the anchor weights and the
+    foreground mass) are computed once. Each level's per-anchor box and class terms are kept from the last call and
+    computed again only where that part of the level's map changed (compared element for element): a candidate
+    that moves one branch recomputes one part of one level. The per-anchor terms are the same elementwise and
+    per-anchor reductions as in :func:`head_distillation`, and the sums over the anchors run over the same
+    concatenation, so the value is the same in every bit (tests/test_quantize_head.py)."""
+
+    def __init__(self, teacher_out, reg_max: int, nc: int):
+        self.reg_max, self.nc = reg_max, nc
+        t_maps, t_other = _levels(teacher_out)
+        det = 4 * reg_max + nc
+        self.t_extra = [t for t in t_maps if t.shape[1] != det] + t_other
+        self.levels = []
+        for t in (t for t in t_maps if t.shape[1] == det):
+            t_box, t_cls = t.flatten(2).float().split((4 * reg_max, nc), 1)
+            b, _, a = t_box.shape
+            prob = t_cls.sigmoid()
+            logp = F.log_softmax(t_box.view(b, 4, reg_max, a), 2)
+            entropy = F.binary_cross_entropy_with_logits(t_cls, prob, reduction="none")
+            self.levels.append({"prob": prob, "entropy": entropy, "logp": logp, "p": logp.exp()})
+        self.weight = torch.cat([level["prob"].amax(1) for level in self.levels], 1)  # B x A, as head_distillation's
+        self.mass = self.weight.sum(1).clamp(min=1.0)
+        self.kept: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in self.levels]
+
+    def _term(self, i: int, part: str, student: torch.Tensor) -> torch.Tensor:
+        """Level ``i``'s per-anchor ``part`` term (B x A_i) for the student's map of that part (B x C x H x W)."""
+        kept = self.kept[i].get(part)
+        if kept is not None and kept[0].shape == student.shape and torch.equal(kept[0], student):
+            return kept[1]
+        t = self.levels[i]
+        s = student.flatten(2).float()
+        if part == "cls":
+            term = (F.binary_cross_entropy_with_logits(s, t["prob"], reduction="none") - t["entropy"]).sum(1)
+        else:
+            b, _, a = s.shape
+            term = (t["p"] * (t["logp"] - F.log_softmax(s.view(b, 4, self.reg_max, a), 2))).sum(2).sum(1)
+        self.kept[i][part] = (student, term)
+        return term
+
+    def __call__(self, student_out) -> dict[str, torch.Tensor]:
+        s_maps, s_other = _levels(student_out)
+        det = 4 * self.reg_max + self.nc
+        s_det = [s for s in s_maps if s.shape[1] == det]
+        cls = torch.cat([self._term(i, "cls", s[:, 4 * self.reg_max:]) for i, s in enumerate(s_det)], 1)
+        box = torch.cat([self._term(i, "box", s[:, :4 * self.reg_max]) for i, s in enumerate(s_det)], 1)
+        parts = {"cls": (cls.sum(1) / self.mass).mean(), "box": ((box * self.weight).sum(1) / self.mass).mean()}
+        extra = [s for s in s_maps if s.shape[1] != det] + s_other
+        if extra:
+            parts["masks"] = sum(_relative_mse(s, t) for s, t in zip(extra, self.t_extra)) / len(extra)
+        return parts
+
+
 def _relative_mse(s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """Squared error relative to the teacher's energy, per image, averaged over the batch (so that the
     mean over equal shares of a batch, as DistributedDataParallel takes it, is the whole batch's value)."""
