@@ -21,7 +21,7 @@ from utils.qat.model import checkpoint  # noqa: E402
 from utils.qat.run import reports  # noqa: E402
 from utils.qat.evaluation.data import (DEFAULT_HYPS, NO_HYP, data_argument, holdout_images, hyp_argument,  # noqa: E402
                                        load_data_yaml, load_hyp)
-from utils.qat.core.device import select_device  # noqa: E402
+from utils.qat.core.device import keep_freed_memory, select_device  # noqa: E402
 from utils.qat.core.errors import QATError, run_cli  # noqa: E402
 from utils.qat.model.safe_load import add_trust_flag  # noqa: E402
 
@@ -60,6 +60,11 @@ def _calibration(p: argparse.ArgumentParser, task: str) -> None:
                    help="calibration batches: the first N of the training split, unaugmented (a few images with far "
                         "larger activations than the rest can cost more than they teach: docs/QAT_FINETUNING.md "
                         "'GELAN-C run to run, and what limits GELAN-QS-seg')")
+    p.add_argument("--calib-sample", default="auto", metavar="N",
+                   help="values of each calibration image's activation that its histogram counts, evenly spread, "
+                        "over the range of all of them: a number, all, or auto (the default: all on a GPU, 16384 on "
+                        "a CPU, where histograms of every value were most of the calibration's time; "
+                        "docs/QAT_CALIBRATION.md 'Calibrating on a CPU')")
     p.add_argument("--head-amax", choices=HEAD_AMAX, default=DEFAULT_HEAD_AMAX,
                    help="the detect head's input scales: as calibrated, or searched after calibration for the "
                         "lowest error of the head's outputs against the FP head (a few seconds on a GPU)")
@@ -210,13 +215,15 @@ def get_args_parser(task: str = "detect", prog: str = "qat.py", description: str
 
 
 def resolve_auto(args, device) -> None:
-    """``--search-layers auto`` and the ``--lr`` that goes with it, resolved for this task and device in ``args``
-    (so the run's report records what ran); the main process prints what auto chose."""
-    from utils.qat.quantize.config import parse_layers, resolve_lr, resolve_search
+    """``--search-layers auto`` and the ``--lr`` that goes with it, and ``--calib-sample auto``, resolved for this task
+    and device in ``args`` (so the run's report records what ran); the main process prints what auto chose."""
+    from utils.qat.quantize.config import parse_layers, resolve_lr, resolve_sample, resolve_search
     from utils.qat.quantize.finetune import QATConfig
     args.search_layers, said = resolve_search(args.search_layers, args.task, device.type)
-    if said and distributed.is_main():
-        print(said, flush=True)
+    args.calib_sample, sampled = resolve_sample(str(args.calib_sample), device.type)
+    for sentence in (said, sampled):
+        if sentence and distributed.is_main():
+            print(sentence, flush=True)
     if hasattr(args, "lr"):
         args.lr = resolve_lr(args.lr, parse_layers(args.search_layers), QATConfig().lr)
 
@@ -227,7 +234,7 @@ def quant_config(args) -> QuantConfig:
     return QuantConfig(method=args.calib_method, percentile=args.percentile,
                        skip=tuple(getattr(args, "skip_layers", "").split(",")), head_amax=args.head_amax,
                        tie=args.tie, head_batches=args.head_batches, pool_scale=args.pool_scale,
-                       search_layers=parse_layers(getattr(args, "search_layers", "")))
+                       search_layers=parse_layers(getattr(args, "search_layers", "")), sample=args.calib_sample)
 
 
 def _score(args, data: dict, device) -> Evaluation:
@@ -376,6 +383,7 @@ def cmd_eval(args) -> Path:
 
 def main(args) -> Path:
     validate.check_args(args)
+    keep_freed_memory()  # the CPU's work (calibration, evaluation, data) without page-faulting every large tensor
     return {"quantize": cmd_quantize, "sensitive": cmd_sensitive, "eval": cmd_eval}[args.cmd](args)
 
 

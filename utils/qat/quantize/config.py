@@ -36,6 +36,9 @@ DEFAULT_HEAD_BATCHES = 4  # calibration batches the head search scores each cand
 # epochs and graphs met FP - 0.001 / 0.002; the memorised GELAN-C calibrates to the same mean with it and GELAN-S
 # fine-tunes level. On a CPU the search costs minutes (the quickstart model: 239 s of a 284 s calibration), and
 # segmentation has not been measured with it: none there.
+# ``--calib-sample auto``: on a CPU each activation histogram is built from about this many values of each image
+# (calib.sample_values); on a GPU from all of them, as the published GPU figures were made.
+CPU_SAMPLE = 1 << 14
 AUTO_SEARCH = "0-5"
 SEARCHED_LR = 1e-5
 
@@ -53,6 +56,21 @@ def resolve_search(text: str, task: str, device_type: str) -> tuple[str, str | N
     where = "on the CPU (minutes there)" if device_type != "cuda" else "for segmentation (not measured with it)"
     return "", (f"--search-layers auto: no body layer searched {where}; pass --search-layers {AUTO_SEARCH} to "
                 f"search them.")
+
+
+def resolve_sample(text: str, device_type: str) -> tuple[int, str | None]:
+    """``--calib-sample``: ``auto`` (:data:`CPU_SAMPLE` on a CPU, every value on a GPU), ``all`` or a number of values
+    per image; returns the number (0: all) and the sentence saying what ``auto`` chose (None when the user chose)."""
+    if text == "auto":
+        if device_type == "cuda":
+            return 0, None
+        return CPU_SAMPLE, (f"--calib-sample auto: each activation histogram built from {CPU_SAMPLE} values of each "
+                            f"image on the CPU; pass --calib-sample all for every value (slower).")
+    if text == "all":
+        return 0, None
+    if not text.isdigit() or int(text) < 1:
+        raise QATError(f"--calib-sample '{text}': give a number of values per image (e.g. {CPU_SAMPLE}), all, or auto.")
+    return int(text), None
 
 
 def resolve_lr(lr: float | None, layers: tuple[int, ...], default: float) -> float:
@@ -87,7 +105,8 @@ class QuantConfig:
     (``tie``: ``max``, its members' largest; ``mse``, the value with the least squared error summed over the
     members' histograms), and whether an average pool's output shares its input's scale (``pool_scale="shared"``)
     or is calibrated on its own (``"own"``: its averages of INT8 values then stop landing on rounding ties, which
-    each runtime's float arithmetic breaks its own way; docs/RESULTS.md "A checkpoint against its graph")."""
+    each runtime's float arithmetic breaks its own way; docs/RESULTS.md "A checkpoint against its graph"), and how many
+    values of each image's tensor an activation histogram is built from (``sample``; 0: all of them)."""
     method: str = DEFAULT_CALIB_METHOD
     percentile: float = DEFAULT_PERCENTILE
     skip: tuple[str, ...] = ()
@@ -96,6 +115,7 @@ class QuantConfig:
     head_batches: int = DEFAULT_HEAD_BATCHES
     search_layers: tuple[int, ...] = ()
     pool_scale: str = DEFAULT_POOL_SCALE
+    sample: int = 0
 
     @property
     def searches(self) -> bool:
@@ -111,6 +131,8 @@ class QuantConfig:
             raise QATError(f"unknown --tie '{self.tie}'; choose one of {', '.join(TIES)}.")
         if self.pool_scale not in POOL_SCALES:
             raise QATError(f"unknown --pool-scale '{self.pool_scale}'; choose one of {', '.join(POOL_SCALES)}.")
+        if self.sample < 0:
+            raise QATError(f"calibration sample {self.sample}: give a number of values per image, or 0 for all.")
         object.__setattr__(self, "skip", tuple(str(s).strip() for s in self.skip if str(s).strip()))
         object.__setattr__(self, "search_layers", tuple(sorted({int(i) for i in self.search_layers})))
 
@@ -131,7 +153,7 @@ class QuantInfo:
         return {"calib_method": self.config.method, "percentile": self.config.percentile,
                 "skip": list(self.config.skip), "head_amax": self.config.head_amax, "tie": self.config.tie,
                 "head_batches": self.config.head_batches, "search_layers": list(self.config.search_layers),
-                "pool_scale": self.config.pool_scale, "fp_patterns": list(self.fp_patterns),
+                "pool_scale": self.config.pool_scale, "calib_sample": self.config.sample, "fp_patterns": list(self.fp_patterns),
                 "scale_groups": [list(g) for g in self.scale_groups], "head_search": dict(self.head_search)}
 
     @classmethod
@@ -141,6 +163,6 @@ class QuantInfo:
                              head_amax=d.get("head_amax", "calibrated"),  # older checkpoints: no search
                              tie=d.get("tie", "max"), head_batches=d.get("head_batches", DEFAULT_HEAD_BATCHES),
                              search_layers=tuple(d.get("search_layers", ())),
-                             pool_scale=d.get("pool_scale", DEFAULT_POOL_SCALE))
+                             pool_scale=d.get("pool_scale", DEFAULT_POOL_SCALE), sample=d.get("calib_sample", 0))
         return cls(config, fp_patterns=list(d.get("fp_patterns", ())),
                    scale_groups=[list(g) for g in d.get("scale_groups", ())], head_search=dict(d.get("head_search", {})))

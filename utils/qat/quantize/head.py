@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -76,6 +76,26 @@ class _HeadInputs:
             hook.remove()
         assert self.inputs is not None
         return self.inputs
+
+
+@contextlib.contextmanager
+def recording_head_inputs(model: nn.Module, count: int) -> Iterator[list[list[torch.Tensor]]]:
+    """Inside the block, what the detect head is called with (its list of feature maps) in the model's first
+    ``count`` forward passes is appended to the list yielded: calibration's pass, whose quantizers only collect,
+    gives the FP head inputs the search's targets are made from (:func:`search_head_amax`'s ``fp_inputs``)."""
+    kept: list[list[torch.Tensor]] = []
+    if count <= 0:
+        yield kept
+        return
+
+    def keep(module, args) -> None:
+        if len(kept) < count:
+            kept.append([t.detach() for t in args[0]])
+    hook = model.model[-1].register_forward_pre_hook(keep)
+    try:
+        yield kept
+    finally:
+        hook.remove()
 
 
 def searchable(model: nn.Module, groups: Sequence[Sequence[str]], layers: Iterable[int] = (),
@@ -292,7 +312,8 @@ def _descend(units: list[list[str]], modules: dict[str, nn.Module], loss: Callab
 @torch.no_grad()
 def search_head_amax(model: nn.Module, batches: Iterable[torch.Tensor], groups: Sequence[Sequence[str]],
                      factors: Sequence[float] = FACTORS, layers: Iterable[int] = (), head: bool = True,
-                     replay: bool = True, branches: bool | None = None) -> dict:
+                     replay: bool = True, branches: bool | None = None,
+                     fp_inputs: Sequence[list[torch.Tensor]] | None = None) -> dict:
     """Set each searchable amax to the multiple of its calibrated value that gives the lowest head distillation
     loss over ``batches``: first those of the body ``layers`` (one of :data:`BODY_FACTORS`), then, with ``head``,
     the head's inputs (one of ``factors``); print one line saying what moved. Returns the record
@@ -300,7 +321,9 @@ def search_head_amax(model: nn.Module, batches: Iterable[torch.Tensor], groups: 
     "loss_after", "batches"}`` (``{}`` when there is nothing to search, e.g. the head is kept in FP). ``replay``:
     on CUDA, score the candidates from a CUDA graph (``False``: eagerly; the same losses). ``branches``: score a
     head candidate by running only the branches it changes (:class:`_Branches`; None: where no CUDA graph replays
-    them; the same losses)."""
+    them; the same losses). ``fp_inputs``: the head's inputs for each of ``batches`` with every quantizer off, as
+    calibration's pass gave them (:func:`recording_head_inputs`; None: the network is run again for them, the same
+    values)."""
     from utils.qat.quantize.objectives import HeadDistillation, head_distillation
     detect = model.model[-1]
     layers = sorted(set(layers))
@@ -323,7 +346,9 @@ def search_head_amax(model: nn.Module, batches: Iterable[torch.Tensor], groups: 
     chosen: dict[str, float] = {}
     try:
         with quantizers_off(everything):
-            targets = [detect(capture.run(model, images)) for images in batches]
+            if fp_inputs is None:
+                fp_inputs = [capture.run(model, images) for images in batches]
+            targets = [detect(list(features)) for features in fp_inputs]
 
         # every candidate runs with the same weights: each quantized once, the same outputs in every bit
         with weights_quantized(model):
