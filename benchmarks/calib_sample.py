@@ -68,7 +68,7 @@ class FanOut:
                                                                                for b in self.budgets}))
             for b, c in copies.items():
                 start = time.perf_counter()
-                if x[0].numel() <= b:  # the whole tensor: modelopt's own collect
+                if x[0].numel() <= b:  # the whole tensor: modelopt's own (collect_sample would call this patch)
                     whole(c, x)
                 else:
                     collect_sample(c, b, x)
@@ -83,12 +83,11 @@ class FanOut:
         self.cls.collect = self.original
 
 
-def amax_of(c) -> float:
-    from utils.qat.quantize.mse import mse_amax
-    return float(mse_amax(c._calib_hist, c._calib_bin_edges, c._num_bits, c._unsigned))
-
-
 def compare(fan: FanOut, names: dict[int, str]) -> list[dict]:
+    from utils.qat.quantize.calib import histogram_amax
+
+    def amax_of(c) -> float:  # the amax calibration gives a histogram (--calib-method mse)
+        return float(histogram_amax(c, "mse", 0.0))
     rows = []
     for b in fan.budgets:
         ratios = []
