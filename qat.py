@@ -49,7 +49,7 @@ def _common(p: argparse.ArgumentParser, project: str) -> None:
 def _calibration(p: argparse.ArgumentParser, task: str) -> None:
     from utils.qat.quantize.config import (CALIB_METHODS, DEFAULT_CALIB_METHODS, DEFAULT_HEAD_AMAX, DEFAULT_HEAD_BATCHES,
                                            DEFAULT_PERCENTILE, DEFAULT_POOL_SCALE, DEFAULT_TIE, HEAD_AMAX,
-                                           POOL_SCALES, TIES)
+                                           POOL_SCALES, SEARCH_COSTS, TIES)
     p.add_argument("--calib-method", choices=CALIB_METHODS, default=DEFAULT_CALIB_METHODS[task],
                    help="activation calibration (weights are always per-channel max; default: %(default)s). mse-image "
                         "runs the MSE search with every image weighted alike, so a few images with far larger "
@@ -75,9 +75,15 @@ def _calibration(p: argparse.ArgumentParser, task: str) -> None:
                    help="body layers (indices, ranges: 2-5; none) whose activation scales are searched after "
                         "calibration like the head's, each candidate scored through the whole network on "
                         "--head-batches batches (a whole forward pass per candidate: 14-23 s for layers 0-5 on an "
-                        "H100 or H200, minutes on a CPU). auto (the default): 0-5 for detection on a GPU, none on a "
-                        "CPU and for segmentation; the log says which (docs/QAT_RECIPE.md 'The search as the default "
-                        "on a GPU')")
+                        "H100 or H200, about 30 s for layers 0-2 of YOLOv9-t on 2 CPU cores with --search-cost "
+                        "bounded). auto (the default): 0-5 for detection on a GPU, none on a CPU (no gain measured "
+                        "there) and for segmentation; the log says which (docs/QAT_RECIPE.md 'The search as the "
+                        "default on a GPU', docs/QAT_CALIBRATION.md 'Calibrating on a CPU')")
+    p.add_argument("--search-cost", choices=("auto", *SEARCH_COSTS), default="auto",
+                   help="forward passes the scale searches may take: full (every candidate factor of every scale, "
+                        "each on every --head-batches batch), bounded (each scale walked from its calibrated value "
+                        "while the error falls, and a body layer's candidates scored on one batch), or auto (the "
+                        "default: full on a GPU, bounded on a CPU)")
     p.add_argument("--tie", choices=TIES, default=DEFAULT_TIE,
                    help="the one scale of tensors TensorRT needs on one scale (a Concat's inputs, MaxPool): max = "
                         "the largest of their calibrated amax, mse = the least squared error over all of them "
@@ -215,13 +221,15 @@ def get_args_parser(task: str = "detect", prog: str = "qat.py", description: str
 
 
 def resolve_auto(args, device) -> None:
-    """``--search-layers auto`` and the ``--lr`` that goes with it, and ``--calib-sample auto``, resolved for this task
-    and device in ``args`` (so the run's report records what ran); the main process prints what auto chose."""
-    from utils.qat.quantize.config import parse_layers, resolve_lr, resolve_sample, resolve_search
+    """``--search-layers auto`` and the ``--lr`` that goes with it, ``--calib-sample auto`` and ``--search-cost auto``,
+    resolved for this task and device in ``args`` (so the run's report records what ran); the main process prints
+    what auto chose."""
+    from utils.qat.quantize.config import parse_layers, resolve_cost, resolve_lr, resolve_sample, resolve_search
     from utils.qat.quantize.finetune import QATConfig
     args.search_layers, said = resolve_search(args.search_layers, args.task, device.type)
     args.calib_sample, sampled = resolve_sample(str(args.calib_sample), device.type)
-    for sentence in (said, sampled):
+    args.search_cost, costed = resolve_cost(args.search_cost, device.type)
+    for sentence in (said, sampled, costed):
         if sentence and distributed.is_main():
             print(sentence, flush=True)
     if hasattr(args, "lr"):
@@ -234,7 +242,8 @@ def quant_config(args) -> QuantConfig:
     return QuantConfig(method=args.calib_method, percentile=args.percentile,
                        skip=tuple(getattr(args, "skip_layers", "").split(",")), head_amax=args.head_amax,
                        tie=args.tie, head_batches=args.head_batches, pool_scale=args.pool_scale,
-                       search_layers=parse_layers(getattr(args, "search_layers", "")), sample=args.calib_sample)
+                       search_layers=parse_layers(getattr(args, "search_layers", "")), sample=args.calib_sample,
+                       search_cost=args.search_cost)
 
 
 def _score(args, data: dict, device) -> Evaluation:

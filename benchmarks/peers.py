@@ -18,7 +18,8 @@ and this toolkit's graphs: ``--ours NAME=GRAPH`` (e.g. a ``qat.py quantize`` run
 flags), exported and timed the same way. Every graph, the FP one included, is scored with val_trt.py's evaluator
 on each --backend (ONNX Runtime: the graph as written; OpenVINO: INT8 kernels, where this CPU computes them as
 written), and every difference from FP on the same runtime gets its 95% paired-bootstrap interval over the images
-(``utils/qat/evaluation/resample.py``): a difference whose interval holds 0 is a tie. Writes OUT/LABEL.json,
+(``utils/qat/evaluation/resample.py``): a difference whose interval holds 0 is a tie. So does each of this toolkit's
+graphs against each peer's, and each of its later graphs against its first (settings of ours told apart). Writes OUT/LABEL.json,
 OUT/LABEL.md and OUT/LABEL.png (the differences with their intervals), updated after every graph, and the graphs
 and logs in OUT/LABEL-work/.
 
@@ -309,6 +310,40 @@ def versus(rows: list[dict], kept: dict) -> list[dict]:
     return out
 
 
+def within(rows: list[dict], kept: dict) -> list[dict]:
+    """Each of this toolkit's later rows against its first (the ``--ptq`` run where there is one, else the first
+    ``--ours``) on the same runtime: the difference (later minus first) with its paired-bootstrap interval, so that two
+    settings of ours are told apart only where the interval excludes 0."""
+    from utils.qat.evaluation.resample import PairedBootstrap, record, shown
+    ours = [r for r in rows if r.get("tool") == "yolov9-qat"]
+    out = []
+    for runtime in (ours[0]["scores"] if ours else {}):
+        if (ours[0]["name"], runtime) not in kept:
+            continue
+        paired = PairedBootstrap(kept[ours[0]["name"], runtime])
+        for other in ours[1:]:
+            if (other["name"], runtime) in kept:
+                d = paired(kept[other["name"], runtime])
+                out.append({"ours": other["name"], "first": ours[0]["name"], "runtime": runtime, **record(d),
+                            "shown": shown(d), "tie": d.tie})
+    return out
+
+
+def _pairs(against: str, order: str, key: str, words: tuple[str, str], entries: list[dict]) -> list[str]:
+    """The table of paired differences ``entries`` (:func:`versus` or :func:`within` records), with its sentence;
+    ``words``: what a difference above 0 and below 0 is called where its interval excludes 0."""
+    from utils.qat.evaluation.resample import INTERVAL
+    if not entries:
+        return []
+    lines = ["", f"This toolkit's graphs {against}, on the same runtime and images ({order}, {INTERVAL:.0%} "
+             "paired-bootstrap interval; a tie where it holds 0):", "",
+             f"| this toolkit | {'peer' if key == 'peer' else 'against'} | runtime | difference |", "|---|---|---|---|"]
+    for v in entries:
+        called = "" if v["tie"] else f" ({words[0] if v['AP'] > 0 else words[1]})"
+        lines.append(f"| {v['ours']} | {v[key]} | {RUNTIMES[v['runtime']]} | {v['shown']}{called} |")
+    return lines
+
+
 def render(doc: dict) -> str:
     from utils.qat.evaluation.resample import INTERVAL
     calibration = ", ".join(f"{r['calibration_s']} s" for r in doc["rows"] if r.get("calibration_s"))
@@ -332,12 +367,8 @@ def render(doc: dict) -> str:
             ap50 = f"{r['AP50']:.4f}" if "AP50" in r else ""
             lines.append(f"| {row['name']} | {RUNTIMES[runtime]} | {ap} | {ap50} | {cell} | "
                          f"{row.get('int8_convolutions', '')} | {row.get('quantize_s', '')} |")
-    if doc.get("versus"):
-        lines += ["", "This toolkit's graphs against each peer's, on the same runtime and images (toolkit minus peer, "
-                  f"{INTERVAL:.0%} paired-bootstrap interval; a tie where it holds 0):", "",
-                  "| this toolkit | peer | runtime | difference |", "|---|---|---|---|"]
-        lines += [f"| {v['ours']} | {v['peer']} | {RUNTIMES[v['runtime']]} | {v['shown']}"
-                  f"{'' if v['tie'] else (' (lead)' if v['AP'] > 0 else ' (behind)')} |" for v in doc["versus"]]
+    lines += _pairs("against each peer's", "toolkit minus peer", "peer", ("lead", "behind"), doc.get("versus", []))
+    lines += _pairs("against its first", "later minus first", "first", ("higher", "lower"), doc.get("within", []))
     return "\n".join(lines) + "\n"
 
 
@@ -467,6 +498,7 @@ def main(args: argparse.Namespace) -> dict:
         doc["rows"].append(row)
         save(doc, args.out)
     doc["versus"] = versus(doc["rows"], kept)
+    doc["within"] = within(doc["rows"], kept)
     save(doc, args.out)
     print(render(doc))
     print(f"wrote {args.out / args.label}.json, .md and .png")

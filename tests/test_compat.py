@@ -165,6 +165,43 @@ def test_apply_patches_nothing_else(fresh_interpreter):
 
 
 # ---------------------------------------------------------------------------------------------
+# Thread settings: upstream's utils/general.py writes OMP_NUM_THREADS into os.environ, which the processes a toolkit
+# command starts inherit.
+
+THREADS_SCRIPT = """
+import os, subprocess, sys
+__APPLY__
+import utils.general
+child = subprocess.run([sys.executable, "-c", "import os; print(os.environ.get('OMP_NUM_THREADS'))"],
+                       capture_output=True, text=True).stdout.strip()
+print(f"{os.environ.get('OMP_NUM_THREADS')} {os.environ.get('NUMEXPR_MAX_THREADS')} {child} "
+      f"{utils.general.NUM_THREADS}")
+"""
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("given", [None, "3"])
+def test_thread_settings_kept_for_the_processes_started(yolov9_tree, given):
+    """Upstream sets OMP_NUM_THREADS to min(8, CPUs - 1) when imported (1 on a 2-core machine), and a process it
+    starts inherits that; with the shims the environment keeps what it was given (unset, or the user's value), and
+    upstream's own NUM_THREADS is still computed."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "NUMEXPR_MAX_THREADS")}
+    if given:
+        env["OMP_NUM_THREADS"] = given
+    apply = "from utils.qat.core import compat; compat.apply()"
+    upstream = min(8, max(1, os.cpu_count() - 1))
+
+    def run(script: str) -> list[str]:
+        proc = subprocess.run([sys.executable, "-c", script], cwd=yolov9_tree, capture_output=True, text=True,
+                              timeout=300, env={**env, "PYTHONDONTWRITEBYTECODE": "1"})
+        return ok(proc).split()[-4:]
+    assert run(THREADS_SCRIPT.replace("__APPLY__", "")) == [str(upstream), str(upstream), str(upstream),
+                                                           str(upstream)]  # the upstream behaviour
+    kept = given or "None"
+    assert run(THREADS_SCRIPT.replace("__APPLY__", apply)) == [kept, "None", kept, str(upstream)]
+
+
+# ---------------------------------------------------------------------------------------------
 # Known third-party noise (utils/qat/core/noise.py) is silenced by its exact text; real warnings still show.
 
 def test_known_noise_silenced_real_warnings_kept(yolov9_tree):

@@ -77,6 +77,21 @@ def test_peers_side_by_side(yolov9_tree, shapes, tmp_path):
         want = ours["scores"]["onnxruntime"]["AP"] - peer["scores"]["onnxruntime"]["AP"]
         assert abs(v["AP"] - want) < 2e-4
     assert len(doc["versus"]) == (2 + 3 if exact else 2)
+    assert doc["within"] == []  # one graph of ours
+    # two settings of ours told apart the same way: the NNCF ONNX graph's stored statistics taken as a second graph
+    # of ours give, against our first, the difference against that peer with its sign turned
+    from utils.qat.evaluation.resample import load_images
+    spec = importlib.util.spec_from_file_location("peers", REPO / "benchmarks" / "peers.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    second = {**nncf_onnx, "name": "ours, another setting", "tool": "yolov9-qat"}
+    kept = {(ours["name"], "onnxruntime"): load_images(out / "qs-work" / "1-onnxruntime.npz"),
+            (second["name"], "onnxruntime"): load_images(out / "qs-work" / "4-onnxruntime.npz")}
+    (told,) = module.within([fp, ours, second], kept)
+    (against,) = [v for v in on_ort if v["peer"] == nncf_onnx["name"]]
+    assert told["ours"] == second["name"] and told["first"] == ours["name"] and told["tie"] == against["tie"]
+    assert abs(told["AP"] + against["AP"]) < 2e-4
+    assert "| this toolkit | against | runtime | difference |" in module.render({**doc, "within": [told]})
     assert len(list((out / "qs-work").glob("*-onnxruntime.npz"))) == 4  # FP, ours, ModelOpt, NNCF's ONNX
     md = (out / "qs.md").read_text()
     assert "| quantizer | runtime | mAP50-95 | mAP50 | vs FP | INT8 convolutions | quantize s |" in md

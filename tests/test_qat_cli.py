@@ -66,9 +66,11 @@ def test_quantize_report(yolov9_tree, quantize_run):
     hyp = yolov9_tree / "data/hyps/hyp.scratch-high.yaml"  # the default, resolved in the tree, printed and recorded
     assert args["hyp"] == str(hyp)
     assert f"hyp: {hyp} (augmentation of the fine-tuning images; the default for detect)" in r.stdout
-    # --search-layers auto on the CPU: no body search, the rate for that, recorded as they ran, and said
-    assert args["search_layers"] == "" and args["lr"] == 3e-5
-    assert "--search-layers auto: no body layer searched on the CPU (minutes there); pass --search-layers 0-5" in r.stdout
+    # --search-layers auto on the CPU: no body search, the rate for that, the bounded search cost, recorded as they
+    # ran, and said
+    assert args["search_layers"] == "" and args["search_cost"] == "bounded" and args["lr"] == 3e-5
+    assert "--search-layers auto: no body layer searched on the CPU (no gain measured there); pass --search-layers 0-5" in r.stdout
+    assert "--search-cost auto: bounded on the CPU" in r.stdout
     from utils.qat import __version__
     from utils.qat.model import checkpoint
     from utils.qat.core.provenance import toolkit_commit

@@ -269,20 +269,90 @@ def test_search_layers_run_the_network_from_the_searched_layer(calibrated, image
     assert prefix_runs == len(batches) * (2 + own * candidates + 1)
 
 
+def _walked(factor: float, factors) -> int:
+    """The candidates ``bounded`` scores for a unit that ended at ``factor``: up from 1 until the loss stops falling
+    (the step that did not lower it included, unless the list ended), and down the same way only if the first step
+    up did not lower it."""
+    from utils.qat.quantize.head import downhill
+    up, down = downhill(factors)
+    if factor > 1.0:
+        return up.index(factor) + 1 + (factor != up[-1])
+    if factor == 1.0:
+        return 1 + 1
+    return 1 + down.index(factor) + 1 + (factor != down[-1])
+
+
+@pytest.mark.slow
+def test_bounded_search_walks_downhill_on_one_body_batch(calibrated, images):
+    """``--search-cost bounded`` (the CPU's default): the forward passes are counted, not timed. A body candidate
+    runs the network on the first batch only, and each unit's candidates stop where the loss stops falling: layer 0
+    runs once per batch for the FP targets, once for the loss before, and once per candidate walked, where the full
+    search runs it for all eight factors on every batch. The clipped scale still opens up, the loss still falls, and
+    the head's candidates are walked the same way on every batch."""
+    import copy
+
+    from utils.qat.quantize import head
+    qmodel, info = calibrated
+    batches = [images, images.flip(-1), images.flip(-2)]
+    units = head.searchable(qmodel, info.scale_groups, layers=(0,), head=False)
+
+    def search(bounded: bool, with_head: bool = False) -> tuple[dict, int, int]:
+        model = copy.deepcopy(qmodel)
+        modules = dict(model.named_modules())
+        for n in units[-1]:
+            modules[n].amax = modules[n].amax * 0.5
+        runs, heads = [], []
+        model.model[0].register_forward_hook(lambda *_: runs.append(1))
+        model.model[-1].register_forward_hook(lambda *_: heads.append(1))
+        result = head.search_head_amax(model, batches, info.scale_groups, layers=(0,), head=with_head,
+                                       bounded=bounded)
+        return result, len(runs), len(heads)
+
+    (full, full_runs, _), (bounded, bounded_runs, _) = search(False), search(True)
+    assert full_runs == len(batches) * (2 + len(units) * (len(head.BODY_FACTORS) - 1))
+    assert set(bounded["factors"]) == set(full["factors"]) == {u[0] for u in units}  # the same units, fewer runs
+    walked = sum(_walked(bounded["factors"][u[0]], head.BODY_FACTORS) for u in units)
+    assert bounded_runs == len(batches) + 1 + walked  # the targets, the loss before, the candidates walked
+    assert bounded_runs < full_runs / 3
+    assert bounded["factors"][units[-1][0]] > 1.0 and bounded["loss_after"] < bounded["loss_before"]
+    assert bounded["batches"] == bounded["body"]["batches"] == 1  # body only: its loss is the record's
+    assert bounded["loss_after"] == bounded["body"]["loss_after"]
+    with_head, _, head_runs = search(True, with_head=True)
+    assert with_head["body"]["batches"] == 1 and with_head["batches"] == len(batches)
+    assert with_head["body"]["loss_after"] < with_head["body"]["loss_before"]
+    # the head runs per batch for the FP targets, the branches' record and the head's loss before; per body candidate
+    # (and the body's loss before) on one batch; per head candidate on every batch
+    body_walks = sum(_walked(with_head["factors"][u[0]], head.BODY_FACTORS) for u in units)
+    head_walks = sum(_walked(with_head["factors"][u[0]], head.FACTORS)
+                     for u in head.searchable(qmodel, info.scale_groups))
+    assert head_runs == 3 * len(batches) + 1 + body_walks + head_walks * len(batches)
+
+
 def test_search_layers_auto_searches_detection_bodies_on_a_gpu_only():
     """``--search-layers auto`` (the default) is ``0-5`` for detection calibrated on a GPU, with the lower rate
-    measured with it (docs/QAT_RECIPE.md 'The search as the default on a GPU'); none on a CPU or for segmentation; each
-    choice said in a sentence naming the flag that changes it. Layers or ``none`` given are taken as given."""
-    from utils.qat.quantize.config import parse_layers, resolve_lr, resolve_search
+    measured with it (docs/QAT_RECIPE.md 'The search as the default on a GPU'); none on a CPU, where it gained nothing
+    (docs/QAT_CALIBRATION.md 'Calibrating on a CPU'), or for segmentation; ``--search-cost auto`` is ``bounded`` on a
+    CPU. Each choice is said in a sentence naming the flag that changes it; layers, costs or ``none`` given are taken
+    as given."""
+    from utils.qat.core.errors import QATError
+    from utils.qat.quantize.config import QuantConfig, parse_layers, resolve_cost, resolve_lr, resolve_search
     text, said = resolve_search("auto", "detect", "cuda")
     assert text == "0-5" and said.startswith("--search-layers auto: layers 0-5 searched on this GPU")
     assert "--search-layers none" in said
-    for task, device, where in (("detect", "cpu", "on the CPU"), ("segment", "cuda", "for segmentation"),
-                                ("segment", "cpu", "on the CPU")):
+    for task, device, where in (("detect", "cpu", "on the CPU (no gain measured there)"),
+                                ("segment", "cuda", "for segmentation"), ("segment", "cpu", "on the CPU")):
         text, said = resolve_search("auto", task, device)
         assert text == "" and where in said and said.endswith("pass --search-layers 0-5 to search them."), said
     assert resolve_search("none", "detect", "cuda") == ("", None)
     assert resolve_search("2,4", "segment", "cpu") == ("2,4", None)
+    assert resolve_cost("auto", "cuda") == ("full", None)
+    cost, said = resolve_cost("auto", "cpu")
+    assert cost == "bounded" and "pass --search-cost full" in said
+    assert resolve_cost("full", "cpu") == ("full", None) and resolve_cost("bounded", "cuda") == ("bounded", None)
+    with pytest.raises(QATError, match="--search-cost 'some': choose one of full, bounded or auto"):
+        resolve_cost("some", "cpu")
+    with pytest.raises(QATError, match="unknown --search-cost"):
+        QuantConfig(search_cost="auto")
     assert resolve_lr(None, parse_layers("0-5"), 3e-5) == 1e-5
     assert resolve_lr(None, parse_layers(""), 3e-5) == 3e-5
     assert resolve_lr(2e-4, parse_layers("0-5"), 3e-5) == 2e-4

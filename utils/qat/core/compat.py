@@ -19,10 +19,17 @@ download (``check_font``, from ``check_dataset`` and the plots), and ``torch.loa
 default (torch 2.6: upstream ``attempt_load`` / ``strip_optimizer``). The toolkit reads checkpoints in
 one place, ``utils.qat.model.checkpoint.read``: ``weights_only=True`` under the allow-list of ``utils.qat.model.safe_load``.
 
+Also kept: the thread settings of the environment. Upstream ``utils/general.py`` sets ``OMP_NUM_THREADS`` and
+``NUMEXPR_MAX_THREADS`` in ``os.environ`` when it is imported, to min(8, CPUs - 1): 1 on a 2-core machine, 8 on 16
+cores. The process that imports it keeps the threads it has, but every process it starts inherits the setting:
+``benchmarks/peers.py``'s own ``qat.py quantize --ptq-only`` ran on one of two cores (148 s against 89 s from a
+shell). The import keeps ``os.environ``'s values as they were before it (:class:`_KeepThreadSettings`).
+
 Also applied: the exact-text silencing of third-party noise (:mod:`utils.qat.core.noise`).
 """
 from __future__ import annotations
 
+import importlib.abc
 import os
 import sys
 import types
@@ -98,6 +105,41 @@ def _shim_ipython() -> None:
     sys.modules["IPython.display"] = display
 
 
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "NUMEXPR_MAX_THREADS")
+
+
+class _KeepThreadSettings(importlib.abc.MetaPathFinder):
+    """Finds upstream's ``utils.general`` as the other finders do, and runs its module code with
+    :data:`THREAD_VARIABLES` of ``os.environ`` put back afterwards as they were (set, or unset)."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != "utils.general":
+            return None
+        for finder in sys.meta_path:
+            spec = None if finder is self else getattr(finder, "find_spec", lambda *a: None)(fullname, path, target)
+            if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                run = spec.loader.exec_module
+
+                def exec_module(module, run=run) -> None:
+                    saved = {k: os.environ.get(k) for k in THREAD_VARIABLES}
+                    try:
+                        run(module)
+                    finally:
+                        for k, v in saved.items():
+                            if v is None:
+                                os.environ.pop(k, None)
+                            else:
+                                os.environ[k] = v
+                spec.loader.exec_module = exec_module  # this spec's own loader object
+                return spec
+        return None
+
+
+def _keep_thread_settings() -> None:
+    if not any(isinstance(f, _KeepThreadSettings) for f in sys.meta_path):
+        sys.meta_path.insert(0, _KeepThreadSettings())
+
+
 def apply(yolov9_root: str | os.PathLike | None = None) -> None:
     """Install every shim. ``yolov9_root`` is put on ``sys.path`` (default: the current directory)."""
     global _applied
@@ -110,4 +152,5 @@ def apply(yolov9_root: str | os.PathLike | None = None) -> None:
     _shim_numpy_trapz()
     _shim_pkg_resources()
     _shim_ipython()
+    _keep_thread_settings()
     _applied = True

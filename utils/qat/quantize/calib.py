@@ -115,7 +115,8 @@ def _calibrate(model: nn.Module, batches: Iterable[torch.Tensor], config: QuantC
     groups = rules.scale_groups(model, example, shared_pool=config.pool_scale == "shared")
     rules.tie_scales(model, groups, _group_amax(model) if config.tie == "mse" else None)
     search = search_head_amax(model, kept, groups, layers=config.search_layers,
-                              head=config.head_amax == "search", fp_inputs=fp_inputs) if config.searches else {}
+                              head=config.head_amax == "search", fp_inputs=fp_inputs,
+                              bounded=config.search_cost == "bounded") if config.searches else {}
     return groups, search
 
 

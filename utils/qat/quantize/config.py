@@ -34,13 +34,18 @@ DEFAULT_HEAD_BATCHES = 4  # calibration batches the head search scores each cand
 # fine-tune at SEARCHED_LR, measured so (docs/QAT_RECIPE.md "The search as the default on a GPU"): on YOLOv9-t, every
 # searched calibration scored above every one without the search (PTQ 0.4009-0.4044 against 0.3992-0.3999), and its
 # epochs and graphs met FP - 0.001 / 0.002; the memorised GELAN-C calibrates to the same mean with it and GELAN-S
-# fine-tunes level. On a CPU the search costs minutes (the quickstart model: 239 s of a 284 s calibration), and
-# segmentation has not been measured with it: none there.
+# fine-tunes level. On a CPU, calibrated as a CPU calibrates (--calib-sample), it bought nothing: yolov9-t-coco's PTQ
+# scored 0.3974-0.3998 with layers 0-2 searched (three ways, bounded and not) against 0.4001 without, for 20-80 s more
+# (docs/QAT_CALIBRATION.md "Calibrating on a CPU"); segmentation has not been measured with it: none there either.
 # ``--calib-sample auto``: on a CPU each activation histogram is built from about this many values of each image
 # (calib.sample_values); on a GPU from all of them, as the published GPU figures were made.
 CPU_SAMPLE = 1 << 14
 AUTO_SEARCH = "0-5"
 SEARCHED_LR = 1e-5
+# ``--search-cost``: how many forward passes the searches may take. ``full`` scores every factor of every unit on
+# ``head_batches`` batches (the published GPU figures); ``bounded`` (``auto`` on a CPU) walks each unit's factors
+# downhill from 1 and scores a body layer's candidates on the first batch only (utils/qat/quantize/head.py).
+SEARCH_COSTS = ("full", "bounded")
 
 
 def resolve_search(text: str, task: str, device_type: str) -> tuple[str, str | None]:
@@ -53,9 +58,22 @@ def resolve_search(text: str, task: str, device_type: str) -> tuple[str, str | N
     if task == "detect" and device_type == "cuda":
         return AUTO_SEARCH, (f"--search-layers auto: layers {AUTO_SEARCH} searched on this GPU (detection); pass "
                              f"--search-layers none to calibrate without the search.")
-    where = "on the CPU (minutes there)" if device_type != "cuda" else "for segmentation (not measured with it)"
+    where = "on the CPU (no gain measured there)" if device_type != "cuda" else "for segmentation (not measured with it)"
     return "", (f"--search-layers auto: no body layer searched {where}; pass --search-layers {AUTO_SEARCH} to "
                 f"search them.")
+
+
+def resolve_cost(text: str, device_type: str) -> tuple[str, str | None]:
+    """``--search-cost``: ``auto`` (``bounded`` on a CPU, ``full`` on a GPU) or one of :data:`SEARCH_COSTS`; returns
+    the cost and the sentence saying what ``auto`` chose (None when the user chose, or on a GPU)."""
+    if text == "auto":
+        if device_type == "cuda":
+            return "full", None
+        return "bounded", ("--search-cost auto: bounded on the CPU (each scale walked downhill from its calibrated "
+                           "value, body layers scored on one batch); pass --search-cost full for every candidate.")
+    if text not in SEARCH_COSTS:
+        raise QATError(f"--search-cost '{text}': choose one of {', '.join(SEARCH_COSTS)} or auto.")
+    return text, None
 
 
 def resolve_sample(text: str, device_type: str) -> tuple[int, str | None]:
@@ -106,7 +124,8 @@ class QuantConfig:
     members' histograms), and whether an average pool's output shares its input's scale (``pool_scale="shared"``)
     or is calibrated on its own (``"own"``: its averages of INT8 values then stop landing on rounding ties, which
     each runtime's float arithmetic breaks its own way; docs/RESULTS.md "A checkpoint against its graph"), and how many
-    values of each image's tensor an activation histogram is built from (``sample``; 0: all of them)."""
+    values of each image's tensor an activation histogram is built from (``sample``; 0: all of them), and how many
+    forward passes the searches may take (``search_cost``, :data:`SEARCH_COSTS`)."""
     method: str = DEFAULT_CALIB_METHOD
     percentile: float = DEFAULT_PERCENTILE
     skip: tuple[str, ...] = ()
@@ -116,6 +135,7 @@ class QuantConfig:
     search_layers: tuple[int, ...] = ()
     pool_scale: str = DEFAULT_POOL_SCALE
     sample: int = 0
+    search_cost: str = "full"
 
     @property
     def searches(self) -> bool:
@@ -131,6 +151,8 @@ class QuantConfig:
             raise QATError(f"unknown --tie '{self.tie}'; choose one of {', '.join(TIES)}.")
         if self.pool_scale not in POOL_SCALES:
             raise QATError(f"unknown --pool-scale '{self.pool_scale}'; choose one of {', '.join(POOL_SCALES)}.")
+        if self.search_cost not in SEARCH_COSTS:
+            raise QATError(f"unknown --search-cost '{self.search_cost}'; choose one of {', '.join(SEARCH_COSTS)}.")
         if self.sample < 0:
             raise QATError(f"calibration sample {self.sample}: give a number of values per image, or 0 for all.")
         object.__setattr__(self, "skip", tuple(str(s).strip() for s in self.skip if str(s).strip()))
@@ -142,7 +164,8 @@ class QuantInfo:
     """What a quantized model was made with: its settings, and what was derived from them for this model
     (the module-name patterns kept in FP, the calibration's shared-scale groups, and with ``--head-amax
     search`` or ``--search-layers`` what the search chose: ``{"factors": {quantizer: multiple}, "loss_before", "loss_after",
-    "batches"}``). Travels in its checkpoint."""
+    "batches"}``, and ``body`` with the body's own loss and batch count where ``--search-cost bounded`` scored it on
+    fewer batches than the head). Travels in its checkpoint."""
     config: QuantConfig = field(default_factory=QuantConfig)
     fp_patterns: list[str] = field(default_factory=list)
     scale_groups: list[list[str]] = field(default_factory=list)
@@ -153,7 +176,8 @@ class QuantInfo:
         return {"calib_method": self.config.method, "percentile": self.config.percentile,
                 "skip": list(self.config.skip), "head_amax": self.config.head_amax, "tie": self.config.tie,
                 "head_batches": self.config.head_batches, "search_layers": list(self.config.search_layers),
-                "pool_scale": self.config.pool_scale, "calib_sample": self.config.sample, "fp_patterns": list(self.fp_patterns),
+                "pool_scale": self.config.pool_scale, "calib_sample": self.config.sample,
+                "search_cost": self.config.search_cost, "fp_patterns": list(self.fp_patterns),
                 "scale_groups": [list(g) for g in self.scale_groups], "head_search": dict(self.head_search)}
 
     @classmethod
@@ -163,6 +187,7 @@ class QuantInfo:
                              head_amax=d.get("head_amax", "calibrated"),  # older checkpoints: no search
                              tie=d.get("tie", "max"), head_batches=d.get("head_batches", DEFAULT_HEAD_BATCHES),
                              search_layers=tuple(d.get("search_layers", ())),
-                             pool_scale=d.get("pool_scale", DEFAULT_POOL_SCALE), sample=d.get("calib_sample", 0))
+                             pool_scale=d.get("pool_scale", DEFAULT_POOL_SCALE), sample=d.get("calib_sample", 0),
+                             search_cost=d.get("search_cost", "full"))
         return cls(config, fp_patterns=list(d.get("fp_patterns", ())),
                    scale_groups=[list(g) for g in d.get("scale_groups", ())], head_search=dict(d.get("head_search", {})))

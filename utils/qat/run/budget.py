@@ -81,7 +81,7 @@ class Budget:
 
 def calibrations(first: QuantConfig, task: str, device_type: str) -> list[QuantConfig]:
     """Step 2's candidates: :data:`ALTERNATIVES`' methods, each with the body search on and off where the search
-    is measured (detection on a GPU; on a CPU it costs minutes) and as ``first`` has it elsewhere; ``first``
+    is measured (detection on a GPU; on a CPU it gained nothing) and as ``first`` has it elsewhere; ``first``
     itself left out."""
     searches = [first.search_layers]
     if task == "detect" and device_type == "cuda":
