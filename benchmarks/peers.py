@@ -291,45 +291,43 @@ def versions() -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- results
-def versus(rows: list[dict], kept: dict) -> list[dict]:
-    """Each of this toolkit's rows against each peer's on the same runtime: the difference (toolkit minus peer) with
-    its paired-bootstrap interval over the images, so that a lead is called one only where its interval excludes 0."""
+def _differences(reference: dict, others: list[dict], kept: dict, key: str) -> list[dict]:
+    """Each of this toolkit's ``others`` against the ``reference`` row on every runtime both were scored on: the
+    difference (other minus reference) with its paired-bootstrap interval over the images; ``key`` names the
+    reference in each record."""
     from utils.qat.evaluation.resample import PairedBootstrap, record, shown
     out = []
-    peers = [r for r in rows if r.get("tool") in PEERS]
-    for peer in peers:
-        for runtime in peer["scores"]:
-            if (peer["name"], runtime) not in kept:
-                continue
-            paired = PairedBootstrap(kept[peer["name"], runtime])
-            for ours in (r for r in rows if r.get("tool") == "yolov9-qat"):
-                if (ours["name"], runtime) in kept:
-                    d = paired(kept[ours["name"], runtime])
-                    out.append({"ours": ours["name"], "peer": peer["name"], "runtime": runtime, **record(d),
-                                "shown": shown(d), "tie": d.tie})
-    return out
-
-
-def within(rows: list[dict], kept: dict) -> list[dict]:
-    """Each of this toolkit's later rows against its first (the ``--ptq`` run where there is one, else the first
-    ``--ours``) on the same runtime: the difference (later minus first) with its paired-bootstrap interval, so that two
-    settings of ours are told apart only where the interval excludes 0."""
-    from utils.qat.evaluation.resample import PairedBootstrap, record, shown
-    ours = [r for r in rows if r.get("tool") == "yolov9-qat"]
-    out = []
-    for runtime in (ours[0]["scores"] if ours else {}):
-        if (ours[0]["name"], runtime) not in kept:
+    for runtime in reference["scores"]:
+        if (reference["name"], runtime) not in kept:
             continue
-        paired = PairedBootstrap(kept[ours[0]["name"], runtime])
-        for other in ours[1:]:
+        paired = PairedBootstrap(kept[reference["name"], runtime])
+        for other in others:
             if (other["name"], runtime) in kept:
                 d = paired(kept[other["name"], runtime])
-                out.append({"ours": other["name"], "first": ours[0]["name"], "runtime": runtime, **record(d),
+                out.append({"ours": other["name"], key: reference["name"], "runtime": runtime, **record(d),
                             "shown": shown(d), "tie": d.tie})
     return out
 
 
-def _pairs(against: str, order: str, key: str, words: tuple[str, str], entries: list[dict]) -> list[str]:
+def _ours(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if r.get("tool") == "yolov9-qat"]
+
+
+def versus(rows: list[dict], kept: dict) -> list[dict]:
+    """Each of this toolkit's rows against each peer's on the same runtime (toolkit minus peer), so that a lead is
+    called one only where its interval excludes 0."""
+    return [d for peer in rows if peer.get("tool") in PEERS for d in _differences(peer, _ours(rows), kept, "peer")]
+
+
+def within(rows: list[dict], kept: dict) -> list[dict]:
+    """Each of this toolkit's later rows against its first (the ``--ptq`` run where there is one, else the first
+    ``--ours``) on the same runtime (later minus first), so that two settings of ours are told apart only where the
+    interval excludes 0."""
+    ours = _ours(rows)
+    return _differences(ours[0], ours[1:], kept, "first") if ours else []
+
+
+def _pairs(against: str, order: str, key: str, column: str, words: tuple[str, str], entries: list[dict]) -> list[str]:
     """The table of paired differences ``entries`` (:func:`versus` or :func:`within` records), with its sentence;
     ``words``: what a difference above 0 and below 0 is called where its interval excludes 0."""
     from utils.qat.evaluation.resample import INTERVAL
@@ -337,7 +335,7 @@ def _pairs(against: str, order: str, key: str, words: tuple[str, str], entries: 
         return []
     lines = ["", f"This toolkit's graphs {against}, on the same runtime and images ({order}, {INTERVAL:.0%} "
              "paired-bootstrap interval; a tie where it holds 0):", "",
-             f"| this toolkit | {'peer' if key == 'peer' else 'against'} | runtime | difference |", "|---|---|---|---|"]
+             f"| this toolkit | {column} | runtime | difference |", "|---|---|---|---|"]
     for v in entries:
         called = "" if v["tie"] else f" ({words[0] if v['AP'] > 0 else words[1]})"
         lines.append(f"| {v['ours']} | {v[key]} | {RUNTIMES[v['runtime']]} | {v['shown']}{called} |")
@@ -367,8 +365,10 @@ def render(doc: dict) -> str:
             ap50 = f"{r['AP50']:.4f}" if "AP50" in r else ""
             lines.append(f"| {row['name']} | {RUNTIMES[runtime]} | {ap} | {ap50} | {cell} | "
                          f"{row.get('int8_convolutions', '')} | {row.get('quantize_s', '')} |")
-    lines += _pairs("against each peer's", "toolkit minus peer", "peer", ("lead", "behind"), doc.get("versus", []))
-    lines += _pairs("against its first", "later minus first", "first", ("higher", "lower"), doc.get("within", []))
+    lines += _pairs("against each peer's", "toolkit minus peer", "peer", "peer", ("lead", "behind"),
+                    doc.get("versus", []))
+    lines += _pairs("against its first", "later minus first", "first", "against", ("higher", "lower"),
+                    doc.get("within", []))
     return "\n".join(lines) + "\n"
 
 

@@ -157,7 +157,7 @@ def keep_freed_memory() -> bool:
     The same as ``MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=2147483647``, or the caching allocators (jemalloc,
     tcmalloc) PyTorch's CPU tuning guide recommends, without an environment to set."""
     name = ctypes.util.find_library("c")
-    if platform.system() != "Linux" or not name or not platform.libc_ver()[0] == "glibc":
+    if platform.system() != "Linux" or not name or platform.libc_ver()[0] != "glibc":
         return False
     try:
         mallopt = ctypes.CDLL(name).mallopt
