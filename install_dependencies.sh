@@ -22,6 +22,10 @@ readonly NNCF="nncf"
 PROG=${0##*/}
 
 usage() {
+    # what --dev installs, read from the file it installs (names only, comma-separated)
+    local dev
+    dev=$(grep -Ev '^[[:space:]]*(#|$)' "$HERE/requirements-dev.txt" | sed 's/[[:space:]<>=!~;[].*//' | paste -sd, - \
+        | sed 's/,/, /g')
     cat <<EOF
 usage: $PROG [--yolov9 DIR] [--dev] [--openvino] [--peers] [--tensorrt] [--trex] [--python PY] [--dry-run]
 
@@ -33,9 +37,10 @@ options:
   --yolov9 DIR  also install YOLOv9's own DIR/requirements.txt (without its torch and torchvision
                 lines when torch is installed, and without opencv-python: opencv-python-headless
                 provides cv2)
-  --dev         also install what the tests need ($HERE/requirements-dev.txt: pytest,
-                pytest-xdist, mypy, ruff, openvino) and $TRT_STUBS (type stubs for the TensorRT check; installed with
-                --no-deps: it declares a dependency on tensorrt, which installs only on GPU hosts)
+  --dev         also install what the tests need, $HERE/requirements-dev.txt:
+                $dev;
+                and $TRT_STUBS (type stubs for the TensorRT check; installed with --no-deps: it declares a
+                dependency on tensorrt, which installs only on GPU hosts)
   --openvino    also install OpenVINO ($OPENVINO from PyPI), which runs the exported Q/DQ ONNX on CPUs with INT8
                 kernels (val_trt.py --backend openvino, scripts/benchmark_cpu.py)
   --peers       also install what benchmarks/peers.py needs to run the quantizers users would pick instead:

@@ -11,13 +11,18 @@ Run from this repository; --tree is a YOLOv9 tree, copied and patched with this 
 (--patched: run in --tree as it is). The YOLOv9-t headline runs (two seeds at once on one GPU; a tree with ELAN1 and
 AConv, the data yaml's path: filled by --dataset-root):
 
-    python3 benchmarks/cli_results.py --tree /path/to/yolov9 --weights ../shared/weights/yolov9-t-coco.pt \
-        --data ../shared/datasets/coco-qat.yaml --dataset-root ../shared/datasets --seeds 57 1 --jobs 2 \
+    python3 benchmarks/cli_results.py --tree /path/to/yolov9 --weights ../shared/weights/yolov9-t-coco.pt \\
+        --data ../shared/datasets/coco-qat.yaml --dataset-root ../shared/datasets --seeds 57 1 --jobs 2 \\
         --extra "--device 0 --workers 8" --out benchmarks/results --label yolov9-t-coco-h100
 
 --jobs N runs N (weights, seed) pipelines at once (on one GPU: each its own run folder); their times are then
 measured on a shared machine, and the outputs say so (``settings.concurrent``, times marked *). SIGTERM or Ctrl-C
-stops the running commands (each saves what it has) and writes what was done.
+stops the running commands (each saves what it has) and writes what was done. The result set names no path of this
+machine: the commands, the JSON and the logs write $REPO, $YOLOV9_DIR, $SHARED and $WORK instead
+(benchmarks/results/README.md).
+
+`cli_results.py custom-model` makes the custom model the `custom-*` sets quantize (benchmarks/parts/custom_model.py:
+upstream train.py fine-tunes the COCO YOLOv9-t on a few classes); `cli_results.py custom-model --help` gives its flags.
 """
 from __future__ import annotations
 
@@ -38,6 +43,9 @@ from importlib import metadata
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))  # benchmarks/parts/
+from parts import portable  # noqa: E402
+
 SCRIPTS = {"detect": "qat.py", "segment": "segment/qat_seg.py"}
 EXPORT = "--include onnx --dynamic --simplify"  # README's Workflow step 3
 
@@ -153,8 +161,8 @@ class Runner:
     """Runs commands in ``tree``, each logged to ``logs/<run>/<step>.log``. ``stop()`` (Ctrl-C, SIGTERM) ends the
     running ones with SIGTERM (each saves what it has, as on Ctrl-C) and launches no more."""
 
-    def __init__(self, tree: Path, python: str, logs: Path):
-        self.tree, self.python, self.logs = tree, python, logs
+    def __init__(self, tree: Path, python: str, logs: Path, clean=lambda text: text):
+        self.tree, self.python, self.logs, self.clean = tree, python, logs, clean
         self.stopped = threading.Event()
         self.running: set[subprocess.Popen] = set()
 
@@ -162,7 +170,8 @@ class Runner:
         cmd = [self.python, *argv]
         log = self.logs / run / f"{step}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
-        record = {"step": step, "command": shlex.join(cmd), "log": str(log.relative_to(self.logs.parent))}
+        # as users type it, from the top of the tree (the interpreter is this run's --python)
+        record = {"step": step, "command": shlex.join(["python3", *argv]), "log": str(log.relative_to(self.logs.parent))}
         if self.stopped.is_set():
             return {**record, "returncode": None, "seconds": None, "skipped": "stopped before it started"}
         print(f"[{run}] {step}: {shlex.join(cmd)}", flush=True)
@@ -176,6 +185,7 @@ class Runner:
             finally:
                 self.running.discard(proc)
         seconds = round(time.monotonic() - start, 1)
+        log.write_text(self.clean(log.read_text(errors="replace")))  # no path of this machine in the result set
         print(f"[{run}] {step}: exit {rc}, {seconds} s", flush=True)
         return {**record, "returncode": rc, "seconds": seconds}
 
@@ -526,11 +536,17 @@ def _replace(path: Path, write) -> None:
     os.replace(tmp, path)
 
 
+def cleaner(settings: dict):
+    """What writes a text of this result set without this machine's paths (``portable.text``)."""
+    trees = [settings["tree"], settings["patched_copy"]]
+    return lambda text: portable.text(text, work=settings.get("work"), tree=[t for t in trees if t])
+
+
 def save(result: dict, out: Path, with_plot: bool) -> None:
     result["summary"] = summary(result["runs"])
-    label = result["label"]
-    _replace(out / f"{label}.json", lambda tmp: tmp.write_text(json.dumps(result, indent=2)))
-    _replace(out / f"{label}.md", lambda tmp: tmp.write_text(render(result)))
+    label, clean = result["label"], cleaner(result["settings"])
+    _replace(out / f"{label}.json", lambda tmp: tmp.write_text(clean(json.dumps(result, indent=2))))
+    _replace(out / f"{label}.md", lambda tmp: tmp.write_text(clean(render(result))))
     if with_plot and any(r.get("report") for r in result["runs"]):
         plot(result, out / f"{label}.png")
 
@@ -544,9 +560,10 @@ def main(args) -> dict:
     concurrent = min(args.jobs, runs) > 1
     print(f"tree: {tree}\nruns: {args.work / 'runs'}\nresults: {args.out}/{args.label}.{{json,md,png}}", flush=True)
     result = {"label": args.label, "created": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-              "command": shlex.join([Path(sys.executable).name, *sys.argv]) if __name__ == "__main__" else "(in-process)",
+              "command": portable.command() if __name__ == "__main__" else "(in-process)",
               "machine": machine(),
               "settings": {"tree": str(args.tree), "patched_copy": None if args.patched else str(tree),
+                           "work": str(args.work),
                            "weights": [str(w) for w in args.weights], "data": str(args.data),
                            "dataset_root": args.dataset_root, "seeds": args.seeds, "task": args.task,
                            "extra": args.extra, "export_flags": args.export_flags,
@@ -562,7 +579,7 @@ def main(args) -> dict:
             result["runs"] = [r for r in records.values() if r is not None]
             save(result, args.out, with_plot)
 
-    runner = Runner(tree, args.python, logs)
+    runner = Runner(tree, args.python, logs, cleaner(result["settings"]))
 
     def terminate(signum, frame):
         raise Stopped
@@ -600,6 +617,16 @@ def _run_one(args, runner: Runner, records: dict, key, on_change) -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["custom-model"]:
+        from parts import custom_model
+        parser = custom_model.get_args_parser()
+        parser.prog = f"{Path(sys.argv[0]).name} custom-model"
+        try:
+            custom_model.main(parser.parse_args(sys.argv[2:]))
+        except custom_model.Refused as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+        sys.exit(0)
     try:
         outcome = main(get_args_parser().parse_args())
     except Refused as e:

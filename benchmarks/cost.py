@@ -1,7 +1,9 @@
-"""What QAT costs, per model size and per step: time and memory against FP training, one step's work, FP16's mAP.
+"""What QAT costs, per model size and per step: time and memory against FP training, one step's work, FP16's mAP,
+several GPUs against one.
 
-Three questions, one ``--mode`` each; run from the top of a patched YOLOv9 tree. Each writes JSON and markdown
-(``model`` a PNG too) named after the mode and ``--tag`` (default: the device, e.g. h100) into ``--out``.
+Four questions, one ``--mode`` each; run from the top of a patched YOLOv9 tree. Each writes JSON and markdown
+(``model`` a PNG too) named after the mode and ``--tag`` (default: the device, e.g. h100) into ``--out``; ``ddp``
+writes ddp.json and ddp.md.
 
 ``--mode model`` (the default; cost-TAG.json/.md/.png): seconds per step and peak memory of upstream train.py's FP
 step and of our QAT step (``ratio`` = QAT / FP), calibration seconds per method and of the head amax search,
@@ -59,6 +61,17 @@ precision) for each ``--diagnose-seeds`` value.
 
     python3 /path/to/yolov9-qat/benchmarks/cost.py --mode fp16 --weights runs/qat/exp/weights/qat_best.pt \\
         --data data/coco.yaml --imgsz 640 --out runs/benchmark/autocast
+
+``--mode ddp`` (ddp.json/.md, the two runs and their logs; benchmarks/parts/ddp.py): multi-GPU QAT against one GPU.
+The same ``qat.py quantize`` (``--weights``, ``--data``, ``--epochs``, ``--iters``, ``--calib-method``) for the same
+global batch (``--batch-size``, default 64), once in one process and once under ``torch.distributed.run`` with
+``--nproc`` processes: QAT seconds per epoch and the speed-up, calibration seconds, loss and AP per epoch, and the
+largest amax differences (N processes against one, and between the ranks). Keep NVLink multicast off where the host
+asks for it (e.g. NCCL_NVLS_ENABLE=0; the processes inherit the environment). ``--device cpu`` runs both on the CPU
+(gloo), one thread per process.
+
+    python3 /path/to/yolov9-qat/benchmarks/cost.py --mode ddp --weights gelan-c.pt --data data/coco.yaml \\
+        --imgsz 640 --batch-size 64 --epochs 3 --iters 50 --out runs/benchmark/ddp
 """
 from __future__ import annotations
 
@@ -76,6 +89,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.getcwd())
+sys.path.insert(1, str(Path(__file__).resolve().parent))  # benchmarks/parts/
 from utils.qat.core import compat  # noqa: E402
 
 compat.apply()
@@ -101,12 +115,13 @@ NBS = 64  # upstream train.py's nominal batch: it accumulates gradients over rou
 GIB = 2 ** 30
 
 
-MODES = ("model", "step", "fp16")
+MODES = ("model", "step", "fp16", "ddp")
 IMPLS = ("eager", "triton", "graph")  # --mode step; graph: the triton kernels, replayed from a CUDA graph
 # each mode's defaults for the flags they share (a flag left at None takes its mode's)
 MODE_DEFAULTS = {"model": {"imgsz": 640, "batch_size": 16, "device": "", "workers": 8, "steps": 12},
                  "step": {"imgsz": 64, "batch_size": 2, "device": "cpu", "steps": 10},
-                 "fp16": {"imgsz": 640, "batch_size": 8, "workers": 2}}
+                 "fp16": {"imgsz": 640, "batch_size": 8, "workers": 2},
+                 "ddp": {"imgsz": 640, "batch_size": 64, "device": "", "workers": 8}}
 FP16_VARIANTS = (("FP32+INT8", False), ("FP16+INT8 (AutoCast)", True))
 
 
@@ -114,19 +129,22 @@ def get_args_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=MODES, default="model",
                    help="model: QAT against FP training per model size; step: one QAT step per quantizer "
-                        "implementation; fp16: the FP16+INT8 graph's mAP against the FP32+INT8 graph's")
+                        "implementation; fp16: the FP16+INT8 graph's mAP against the FP32+INT8 graph's; ddp: "
+                        "qat.py quantize on --nproc GPUs against one")
     p.add_argument("--models", nargs="+", default=list(SIZES),
                    help="model yamls: names in the tree's models/detect (gelan-c) or paths (model, step)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--data", help="dataset yaml: the batches are its first training batches (model; fp16: its val "
-                                    "split is scored)")
+                                    "split is scored; ddp: quantize's --data)")
     src.add_argument("--synthetic", action="store_true", help="random images and boxes instead of a dataset (model)")
     p.add_argument("--hyp", default=DEFAULT_HYPS["detect"],
                    help=f"upstream hyp yaml: the loader's augmentation and the FP loss and optimizer ({NO_HYP}: no "
                         f"augmentation, the FP step with {DEFAULT_HYPS['detect']}'s values) (model)")
     p.add_argument("--imgsz", type=int, default=None, help="image size (default: 640; step: 64)")
-    p.add_argument("--batch-size", type=int, default=None, help="batch (default: 16; step: 2; fp16: 8)")
-    p.add_argument("--device", default=None, help="one device: 0, cuda:1, cpu (default: the first GPU; step: cpu)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="batch (default: 16; step: 2; fp16: 8; ddp: 64, the global batch of both runs)")
+    p.add_argument("--device", default=None, help="one device: 0, cuda:1, cpu (default: the first GPU; step: cpu; "
+                                                  "ddp: GPUs 0 to --nproc - 1, or cpu)")
     p.add_argument("--workers", type=int, default=None, help="loader workers (default: 8; fp16: 2)")
     p.add_argument("--warmup", type=int, default=3, help="steps (and evaluation batches) left out of the timing")
     p.add_argument("--steps", type=int, default=None, help="timed steps of each loop (default: 12; step: 10)")
@@ -138,14 +156,20 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--loader-batches", type=int, default=0,
                    help="time the data loader alone over this many batches (model)")
     p.add_argument("--impl", nargs="+", default=list(IMPLS), choices=IMPLS, help="quantizer implementations (step)")
-    p.add_argument("--weights", default=None, help="quantized checkpoint, qat.py / segment/qat_seg.py (fp16)")
+    p.add_argument("--weights", default=None,
+                   help="quantized checkpoint, qat.py / segment/qat_seg.py (fp16); the FP checkpoint (ddp)")
     add_trust_flag(p)
     p.add_argument("--num-image", type=int, default=None, help="score the first N val images only (fp16)")
     p.add_argument("--diagnose", action="store_true", help="also the Q/DQ-FP32 AutoCast and scale perturbations (fp16)")
     p.add_argument("--diagnose-seeds", default="1,2", help="seeds of the random scale perturbations (fp16)")
+    p.add_argument("--nproc", type=int, default=2, help="processes (GPUs) of the multi-GPU run (ddp)")
+    p.add_argument("--epochs", type=int, default=3, help="QAT epochs of both runs (ddp)")
+    p.add_argument("--iters", type=int, default=50, help="QAT steps per epoch (ddp)")
+    p.add_argument("--calib-method", choices=CALIB_METHODS, default="max", help="calibration of both runs (ddp)")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds allowed for each run (ddp)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help=f"output folder (default: {RESULTS}; fp16 writes two graphs there too "
-                                                "and needs it)")
+                                                "and needs it, ddp its runs)")
     p.add_argument("--tag", default=None, help="file name tag (default: from the device, e.g. h100; fp16: cpu)")
     return p
 
@@ -156,6 +180,12 @@ def check(args: argparse.Namespace) -> None:
         if getattr(args, key) is None:
             setattr(args, key, value)
     check_args(args)
+    if args.mode == "ddp":
+        if not args.weights or not args.data or not args.out:
+            raise QATError("--mode ddp runs qat.py quantize twice: pass --weights (the FP checkpoint), --data and --out "
+                           "(the runs are written there).")
+        args.cpu = args.device == "cpu"
+        return
     if args.mode == "fp16":
         if not args.weights or not args.data or not args.out:
             raise QATError("--mode fp16 scores a quantized checkpoint's two graphs: pass --weights, --data (its val "
@@ -892,6 +922,9 @@ def render_fp16(doc: dict, rows: list[dict]) -> str:
 
 def main(args: argparse.Namespace) -> dict:
     check(args)
+    if args.mode == "ddp":
+        from parts import ddp
+        return ddp.main(args)
     return {"model": measure_models, "step": measure_steps, "fp16": score_fp16}[args.mode](args)
 
 

@@ -11,6 +11,13 @@ Run from the top of a patched YOLOv9 tree (yolov9-t needs one with ELAN1 / AConv
     python3 /path/to/yolov9-qat/benchmarks/cpu_deploy.py --model c=gelan-c.pt --model t=yolov9-t.pt \\
         --data coco.yaml --imgsz 640 --out runs/benchmark/cpu
 
+``--shared [DIR]``: the tables of docs/CPU.md in one command, from the shared folder (DIR; default YOLOV9_QAT_SHARED,
+else ../shared beside this repository): GELAN-C (c) and YOLOv9-t (t) from DIR/weights, each calibrated on coco369,
+scored on coco334 (DIR/datasets/coco-qat.yaml, written into OUT with its path: filled in). Later flags still apply,
+e.g. --threads 2, --batch 1 4, --no-map, --device cpu:
+
+    python3 /path/to/yolov9-qat/benchmarks/cpu_deploy.py --shared --out runs/cpu-deploy
+
 Each ``--model NAME=FP.pt`` is an FP checkpoint, calibrated here on the first --calib-batches batches of the data's
 train split (qat.py quantize --ptq-only, on --device); ``NAME=FP.pt,INT8.pt`` gives its quantized checkpoint (a
 qat.py run) instead. Both are exported as ``export_qat.py --dynamic`` does (the one exporter). ``--no-map``
@@ -41,6 +48,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.getcwd())
+sys.path.insert(1, str(Path(__file__).resolve().parent))  # benchmarks/parts/
 from utils.qat.core import compat  # noqa: E402
 
 compat.apply()
@@ -54,7 +62,12 @@ from utils.qat.evaluation.backends import ONNX_RUNTIMES, RUNTIMES, OpenVINOBacke
 from utils.qat.model.safe_load import add_trust_flag  # noqa: E402
 from utils.qat.quantize.config import CALIB_METHODS, DEFAULT_CALIB_METHOD, HEAD_AMAX, DEFAULT_HEAD_AMAX  # noqa: E402
 
+from parts import portable  # noqa: E402
+
 STEM = "cpu-deploy"
+#: --shared: docs/CPU.md's models (name -> file in DIR/weights) and the files they need
+SHARED_MODELS = {"c": "gelan-c-coco334.pt", "t": "yolov9-t-coco.pt"}
+SHARED_FILES = ("datasets/coco-qat.yaml", "datasets/coco334", "datasets/coco369")
 COMPARE_STEM = "ov-vs-ort"
 
 
@@ -62,6 +75,9 @@ def get_args_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", action="append", metavar="NAME=FP.pt[,INT8.pt]",
                    help="a model: its FP checkpoint, and optionally its quantized one (repeatable)")
+    p.add_argument("--shared", nargs="?", const=str(portable.shared()), default=None, metavar="DIR",
+                   help="docs/CPU.md's tables: GELAN-C and YOLOv9-t from DIR/weights, calibrated on coco369 and scored "
+                        "on coco334 (default DIR: YOLOV9_QAT_SHARED, else ../shared beside this repository)")
     p.add_argument("--compare-runtimes", type=Path, metavar="GRAPH", default=None,
                    help="instead: compare OpenVINO with ONNX Runtime on this Q/DQ graph (export_qat.py), tensor by tensor")
     p.add_argument("--images", type=Path, default=None,
@@ -86,6 +102,26 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--runs", type=int, default=10)
     p.add_argument("--out", default=None, help="output folder (needed except with --compare-runtimes)")
     return p
+
+
+def use_shared(args: argparse.Namespace) -> str:
+    """--shared DIR: docs/CPU.md's two models and data, each file checked; returns the data yaml to write to
+    ``args.data`` (OUT/coco-qat.yaml, its path: filled in) once every other check has passed."""
+    import yaml
+    shared = Path(args.shared).resolve()
+    if not args.out:
+        raise QATError("--shared writes the tables and the data yaml it uses into --out: pass --out.")
+    for f in (*(f"weights/{w}" for w in SHARED_MODELS.values()), *SHARED_FILES):
+        if not (shared / f).exists():
+            raise QATError(f"--shared: {shared / f} not found; pass the shared/ folder (or set YOLOV9_QAT_SHARED).")
+    common = Path("models/common.py")  # the tree this runs from
+    if not common.is_file() or "class ELAN1(" not in common.read_text():
+        raise QATError("this YOLOv9 tree has no ELAN1, which yolov9-t needs: run from a patched clone of "
+                       "WongKinYiu/yolov9 (or the yolo9 stand-in).")
+    args.model = [f"{name}={shared / 'weights' / w}" for name, w in SHARED_MODELS.items()] + (args.model or [])
+    data = yaml.safe_load((shared / "datasets" / "coco-qat.yaml").read_text())
+    args.data = Path(args.out) / "coco-qat.yaml"
+    return yaml.safe_dump({**data, "path": str(shared / "datasets")}, sort_keys=False)
 
 
 def parse_models(specs: list[str]) -> dict[str, tuple[Path, Path | None]]:
@@ -196,8 +232,8 @@ def render(doc: dict) -> str:
 
 
 def save(doc: dict, out: Path) -> None:
-    write_text(out / f"{STEM}.json", json.dumps(doc, indent=2) + "\n")
-    write_text(out / f"{STEM}.md", render(doc))
+    write_text(out / f"{STEM}.json", portable.text(json.dumps(doc, indent=2) + "\n", work=out))
+    write_text(out / f"{STEM}.md", portable.text(render(doc), work=out))
     if doc.get("speed"):
         cpu_bench.plot(doc["speed"], out / f"{STEM}.png")
 
@@ -343,12 +379,11 @@ def compare_runtimes(args: argparse.Namespace) -> dict:
 
 
 def main(args: argparse.Namespace) -> dict:
-    import shlex
-
     from utils.qat.evaluation.data import load_data_yaml
     check_args(args)
     if args.compare_runtimes is not None:
         return compare_runtimes(args)
+    shared_yaml = use_shared(args) if args.shared else None
     if not args.model or not args.out:
         raise QATError("pass --model NAME=FP.pt[,INT8.pt] (one or more) and --out, the output folder; or "
                        "--compare-runtimes GRAPH.")
@@ -358,10 +393,12 @@ def main(args: argparse.Namespace) -> dict:
         require_openvino()
     if not args.no_map and args.data is None:
         raise QATError("the mAP stage needs --data (its val split); pass it, or --no-map.")
+    if shared_yaml:
+        write_text(args.data, shared_yaml)
     needs_train = any(q is None for _fp, q in models.values())
     data = load_data_yaml(args.data, splits=("train", "val") if needs_train else ("val",)) if args.data else None
     out = Path(args.out)
-    doc: dict = {"command": shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]), "imgsz": args.imgsz,
+    doc: dict = {"command": portable.command(work=out), "imgsz": args.imgsz,
                  "runtimes": list(args.runtime), "graphs": {}}
     paths = {}
     for name, (fp, quantized) in models.items():

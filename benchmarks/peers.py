@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.getcwd())
+sys.path.insert(1, str(Path(__file__).resolve().parent))  # benchmarks/parts/
 from utils.qat.core import compat  # noqa: E402
 
 compat.apply()
@@ -49,6 +50,8 @@ from utils.qat.core.atomic import atomic_path, write_text  # noqa: E402
 from utils.qat.core.errors import QATError, run_cli  # noqa: E402
 from utils.qat.core.validate import check_args  # noqa: E402
 from utils.qat.evaluation.backends import RUNTIMES  # noqa: E402
+
+from parts import portable  # noqa: E402
 
 PEERS = {
     "modelopt-max": "NVIDIA ModelOpt ONNX PTQ, max",
@@ -398,8 +401,8 @@ def plot(doc: dict, path: Path) -> None:
 
 
 def save(doc: dict, out: Path) -> None:
-    write_text(out / f"{doc['label']}.json", json.dumps(doc, indent=2))
-    write_text(out / f"{doc['label']}.md", render(doc))
+    write_text(out / f"{doc['label']}.json", portable.text(json.dumps(doc, indent=2), work=out))
+    write_text(out / f"{doc['label']}.md", portable.text(render(doc), work=out))
     plot(doc, out / f"{doc['label']}.png")
 
 
@@ -436,7 +439,7 @@ def main(args: argparse.Namespace) -> dict:
     work = args.out / f"{args.label}-work"
     work.mkdir(parents=True, exist_ok=True)
     cpu = cpu_info()
-    doc: dict = {"label": args.label, "command": shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+    doc: dict = {"label": args.label, "command": portable.command(work=args.out),
                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "weights": args.weights.name,
                  "imgsz": args.imgsz, "images": None, "versions": versions(),
                  "machine": f"{cpu['model']}, {cpu['cpus']} CPUs usable", "calibration": {}, "rows": []}

@@ -6,7 +6,7 @@ and results.png into --out.
 
 Run from the top of a patched YOLOv9 tree:
 
-    python3 /path/to/yolov9-qat/benchmarks/reference.py --weights gelan-c.pt --data data/coco.yaml \
+    python3 /path/to/yolov9-qat/benchmarks/reference.py --weights gelan-c.pt --data data/coco.yaml \\
         --imgsz 640 --device 0 --out runs/benchmark/gelan-c
 
 --stages picks what runs (default: all): fp, ptq, qat, sensitive, qat_skip, onnx.
@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, os.getcwd())
+sys.path.insert(1, str(Path(__file__).resolve().parent))  # benchmarks/parts/
 from utils.qat.core import compat  # noqa: E402
 
 compat.apply()
@@ -36,6 +37,8 @@ from utils.qat import __version__  # noqa: E402
 from utils.qat.model import checkpoint  # noqa: E402
 from utils.qat.run import reports  # noqa: E402
 from utils.qat.core.atomic import write_text  # noqa: E402
+
+from parts import portable  # noqa: E402
 from utils.qat.evaluation.backends import ORTBackend, TorchBackend  # noqa: E402
 from utils.qat.evaluation.data import load_data_yaml  # noqa: E402
 from utils.qat.core.device import select_device  # noqa: E402
@@ -84,6 +87,7 @@ class Bench:
         self.path = self.out / "results.json"
         self.results = json.loads(self.path.read_text()) if self.path.exists() else {"rows": {}, "timings": {}, "epochs": {}}
         if not args.render_only:
+            self.results["command"] = portable.command(work=self.out)
             self.results["machine"] = machine(args.device)
             self.results["qat_args"] = args.qat_args  # fine-tuning flags beyond qat.py's defaults
 
@@ -100,8 +104,9 @@ class Bench:
         self.save()
 
     def save(self):
-        write_text(self.path, json.dumps(self.results, indent=2))
-        write_text(self.out / "results.md", render(self.results, self.args.title or Path(self.args.weights).name))
+        write_text(self.path, portable.text(json.dumps(self.results, indent=2), work=self.out))
+        write_text(self.out / "results.md", portable.text(render(self.results, self.args.title or
+                                                                   Path(self.args.weights).name), work=self.out))
         if self.results["rows"]:
             plot(self.results, self.out / "results.png", self.args.title or Path(self.args.weights).name)
 

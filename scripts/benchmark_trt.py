@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark an FP16 baseline and a QAT INT8 model with trtexec over batch sizes; write the tables.
 
-    python3 scripts/benchmark_trt.py --fp16 yolov9-c.onnx --int8 qat_best_yolov9-c.onnx \
+    python3 scripts/benchmark_trt.py --fp16 yolov9-c.onnx --int8 qat_best_yolov9-c.onnx \\
         [--batch 1 4 8 12] [--imgsz 640] [--out runs/benchmark_trt]
     python3 scripts/benchmark_trt.py --from-logs runs/benchmark_trt/logs   # re-render saved logs
 

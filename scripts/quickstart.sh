@@ -9,6 +9,32 @@
 # Knobs (environment): QS_ITERS (QAT steps per epoch, default 32), QS_EPOCHS (2), QS_DEVICE (cpu).
 set -euo pipefail
 
+usage() {
+    cat <<EOF
+usage: scripts/quickstart.sh [WORK_DIR]
+
+The toolkit's main job end to end on the embedded model and dataset, on a CPU, in minutes: a YOLOv9 tree copied
+into WORK_DIR and patched, the shapes dataset generated, PTQ calibration and a short QAT (qat.py quantize), the
+Origin / PTQ / QAT evaluation, the Q/DQ ONNX export with its lint (export_qat.py), the INT8 graph scored on ONNX
+Runtime (val_trt.py), and the FP / PTQ / QAT / ONNX Runtime table.
+
+WORK_DIR   where the tree, the data and the runs go (default: \${TMPDIR:-/tmp}/yolov9-qat-quickstart, outside
+           the checkout); a tree copied there is reused while it came from the same YOLOV9_DIR.
+
+Environment:
+  YOLOV9_DIR   a YOLOv9 tree (a clone) to copy; unset: upstream is cloned from GitHub when the network allows
+  QS_ITERS     QAT steps per epoch (default 32)
+  QS_EPOCHS    QAT epochs (default 2)
+  QS_DEVICE    the device of every stage (default cpu)
+  PYTHON       the interpreter (default python3)
+EOF
+}
+case "${1:-}" in
+    -h|--help) usage; exit 0 ;;
+    -*) echo "error: unknown option $1; usage: scripts/quickstart.sh [WORK_DIR] (--help says more)." >&2; exit 2 ;;
+esac
+[ $# -le 1 ] || { echo "error: scripts/quickstart.sh takes one WORK_DIR at most, got $#: $*." >&2; exit 2; }
+
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)
 for knob in QS_ITERS QS_EPOCHS; do  # checked before anything is created
     if ! [[ "${!knob:-1}" =~ ^[0-9]+$ ]] || [ "${!knob:-1}" -lt 1 ]; then

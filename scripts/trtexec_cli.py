@@ -58,9 +58,11 @@ def get_args_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python3 scripts/trtexec_cli.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("build", help="build an engine from an ONNX with trtexec (TensorRT-version-aware flags)")
-    b.add_argument("onnx")
-    b.add_argument("engine")
+    build = "build an engine from an ONNX with trtexec (TensorRT-version-aware flags)"
+    b = sub.add_parser("build", help=build, description=build + "; writes ENGINE whole, ENGINE.json (TensorRT "
+                       "version, stride, names, image size) and ENGINE.build.log")
+    b.add_argument("onnx", help="the graph export_qat.py wrote")
+    b.add_argument("engine", help="the engine file to write")
     b.add_argument("--min", type=int, default=1, help="min batch of the profile (default 1)")
     b.add_argument("--opt", type=int, default=None, help="opt batch (default: --max)")
     b.add_argument("--max", type=int, default=16, help="max batch (default 16)")
@@ -77,10 +79,16 @@ def get_args_parser() -> argparse.ArgumentParser:
     b.add_argument("--quiet", action="store_true", help="do not echo trtexec's output (it is logged anyway)")
     b.add_argument("extra", nargs="*", help="more trtexec flags, after --")
     b.set_defaults(func=cmd_build)
-    sub.add_parser("find", help="print where trtexec is").set_defaults(func=lambda a: print(trtexec.find_trtexec()))
-    sub.add_parser("check", help="check trtexec and the TensorRT Python package").set_defaults(func=cmd_check)
-    p = sub.add_parser("parse", help="parse a saved trtexec log into JSON")
-    p.add_argument("log")
+    find = "print where trtexec is: TRTEXEC if set, else trtexec on PATH, else the usual install folders"
+    sub.add_parser("find", help=find, description=find + "; one error sentence naming where to get it if none "
+                   "is found").set_defaults(func=lambda a: print(trtexec.find_trtexec()))
+    check = "check trtexec and the TensorRT Python package"
+    sub.add_parser("check", help=check, description=check + " (what val_trt.sh needs before a long export): prints "
+                   "where trtexec is, its version and the tensorrt package's").set_defaults(func=cmd_check)
+    parse = "parse a saved trtexec log into JSON"
+    p = sub.add_parser("parse", help=parse, description=parse + " (throughput, latency percentiles, GPU compute time, "
+                       "as scripts/benchmark_trt.py reads them), printed on standard output")
+    p.add_argument("log", help="trtexec's output, saved (trtexec ... | tee LOG)")
     p.set_defaults(func=cmd_parse)
     return ap
 

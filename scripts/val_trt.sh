@@ -26,6 +26,25 @@ usage() {
     exit 2
 }
 
+help() {
+    cat <<EOF
+usage: $PROG <weights> <data yaml> <image_size> [--generate-graph]
+
+Evaluates QAT weights with TensorRT, the reference project's command, from the top of a patched YOLOv9 tree:
+  1. exports <weights> to ONNX (export_qat.py --include onnx --dynamic --simplify --imgsz <image_size>; --half on
+     TensorRT 11, which builds strongly typed networks only),
+  2. builds the engine with scripts/generate_trt_engine.sh (trtexec),
+  3. with --generate-graph: also the engine's layer info and profile, drawn as <weights>.engine.svg,
+  4. scores it: val_trt.py --engine-file <engine> --data <data yaml> --imgsz <image_size>.
+
+<weights>      a quantized checkpoint (qat.py quantize's qat_best_*.pt)
+<data yaml>    the dataset yaml whose val split is scored (e.g. data/coco.yaml)
+<image_size>   the export and evaluation size (at least 32, e.g. 640)
+Environment: VAL_TRT_MAX_BATCH (the engine profile's largest batch, default 32). Needs TensorRT and trtexec.
+EOF
+}
+
+case "${1:-}" in -h|--help) help; exit 0 ;; esac
 [ "$#" -ge 3 ] && [ "$#" -le 4 ] || usage
 generate_graph=false
 if [ "$#" -eq 4 ]; then

@@ -100,8 +100,27 @@ def modernised(tree: Path) -> str | None:
     return None
 
 
-def pytest_collection_modifyitems(config, items):
-    """Tests marked ``compat`` show an upstream breakage first: on a modernised tree they are skipped, saying why."""
+def data_missing() -> str | None:
+    """The one sentence that stops a run whose tests need the shared data when it is not there (None: it is)."""
+    if (SHARED / "datasets" / "coco334").is_dir():
+        return None
+    return (f"test data not found at {SHARED}: set YOLOV9_QAT_SHARED to the shared/ folder (its datasets/ and "
+            "weights/; the default is ../shared beside the repository)")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """A run that needs the shared data without it stops before any test, in one sentence; then tests marked
+    ``compat`` show an upstream breakage first: on a modernised tree they are skipped, saying why."""
+    missing = data_missing()
+    if missing and any("shared" in getattr(item, "fixturenames", ()) for item in items):
+        if not os.environ.get("PYTEST_XDIST_WORKER"):
+            pytest.exit(missing, 2)
+        # A worker of pytest -n N: pytest.exit there reads as a crashed worker. Run nothing and ask to stop: the
+        # controller ends the session with this sentence ("Interrupted: ..."), exit status 2.
+        session.shouldstop = missing
+        config.hook.pytest_deselected(items=list(items))
+        items[:] = []
+        return
     why = modernised(_TREE) if _TREE is not None else None
     if why is None:
         return
@@ -114,8 +133,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def shared() -> Path:
-    if not (SHARED / "datasets" / "coco334").is_dir():
-        pytest.exit(f"test data not found at {SHARED}: set YOLOV9_QAT_SHARED to the shared/ folder.", 2)
+    missing = data_missing()  # a run that asks for it is stopped at collection (pytest_collection_modifyitems)
+    if missing:
+        pytest.fail(missing, pytrace=False)
     return SHARED
 
 

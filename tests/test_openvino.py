@@ -551,17 +551,18 @@ def test_the_openvino_probe_is_exact_on_onnx_runtime_and_says_what_openvino_does
 
 
 def test_ov_profile_compares_every_convolution_and_times_the_mixed_graphs(yolov9_tree, openvino, graphs, tmp_path):
-    """benchmarks/ov_profile.py on the quickstart graphs (64 px, few runs): every quantized convolution profiled in
-    both graphs with its channels, each mixed graph reading float input at exactly the convolutions it names (the
-    rest keep their Q/DQ), every graph timed at each batch with its ratio to the FP graph at the default precision;
-    a missing graph is refused in one sentence before anything is written."""
+    """benchmarks/diagnose.py ov-profile on the quickstart graphs (64 px, few runs): every quantized convolution
+    profiled in both graphs with its channels, each mixed graph reading float input at exactly the convolutions it
+    names (the rest keep their Q/DQ), every graph timed at each batch with its ratio to the FP graph at the default
+    precision; a missing graph is refused in one sentence before anything is written."""
     import importlib.util
 
     from utils.qat.core.errors import QATError
     from utils.qat.evaluation.cpu_bench import _onnx_conv_inputs
-    spec = importlib.util.spec_from_file_location("ov_profile", REPO / "benchmarks" / "ov_profile.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    spec = importlib.util.spec_from_file_location("diagnose", REPO / "benchmarks" / "diagnose.py")
+    diagnose = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(diagnose)
+    bench = diagnose.subcommand("ov-profile")
     out = tmp_path / "prof"
     argv = ["--fp", str(graphs["FP32"]), "--int8", str(graphs["INT8"]), "--imgsz", "64", "--batch", "1", "2",
             "--runs", "2", "--profile-runs", "2", "--warmup", "0", "--out", str(out), "--label", "qs"]

@@ -39,7 +39,8 @@ def test_peers_side_by_side(yolov9_tree, shapes, tmp_path):
     doc = _peers(yolov9_tree, "--weights", QS, "--data", shapes, "--peers", "modelopt-max", "nncf", "nncf-onnx",
                  "--ptq", "--ptq-args", PTQ_ARGS, "--backend", "onnxruntime", "openvino", "--imgsz", "64",
                  "--calib-images", "16", "--workers", "0", "--out", out, "--label", "qs")
-    assert json.loads((out / "qs.json").read_text()) == doc
+    from parts import portable  # benchmarks/parts/, on the path once peers.py is loaded
+    assert json.loads((out / "qs.json").read_text()) == json.loads(portable.text(json.dumps(doc), work=out))
     names = [r["name"] for r in doc["rows"]]
     assert names == ["FP", f"this toolkit, PTQ {PTQ_ARGS}", "NVIDIA ModelOpt ONNX PTQ, max",
                      "OpenVINO NNCF PTQ (IR), MIXED, as Ultralytics", "OpenVINO NNCF PTQ (ONNX), MIXED"]

@@ -2,8 +2,8 @@
 calibrated scales, and what they save: one calibration pass in which every activation histogram is kept both from
 every value and, beside it, from each per-image budget given.
 
-    python3 benchmarks/calib_sample.py --weights yolov9-t-coco.pt --data coco.yaml --sample 4096 16384 65536 \\
-        --out benchmarks/results/calib-sample --label yolov9-t-2core
+    python3 /path/to/yolov9-qat/benchmarks/diagnose.py calib-sample --weights yolov9-t-coco.pt --data coco.yaml \\
+        --sample 4096 16384 65536 --out runs/calib-sample --label yolov9-t-2core
 
 Run in a patched YOLOv9 tree. The calibration images are `qat.py quantize`'s (the first ``--calib-batches`` batches
 of the train split, letterboxed, unaugmented); nothing is scored. Per budget: the MSE amax of every activation
@@ -19,7 +19,6 @@ import datetime
 import json
 import math
 import os
-import shlex
 import statistics
 import sys
 import time
@@ -29,7 +28,9 @@ sys.path.insert(0, os.getcwd())
 from utils.qat.core import compat  # noqa: E402
 compat.apply()
 from utils.qat.core.atomic import write_text  # noqa: E402
-from utils.qat.core.errors import QATError, run_cli  # noqa: E402
+from utils.qat.core.errors import QATError  # noqa: E402
+
+from parts import portable  # noqa: E402
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -145,7 +146,7 @@ def main(args: argparse.Namespace) -> dict:
         seconds = time.perf_counter() - start
     names = {id(m._calibrator): n for n, m in qmodel.named_modules() if hasattr(m, "_calibrator")}
     images = min(len(label_files(data, "train")), args.calib_batches * args.batch_size)
-    doc = {"label": args.label, "command": shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+    doc = {"label": args.label, "command": portable.command(work=args.out),
            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
            "machine": f"{cpu_description()[0]}, {len(os.sched_getaffinity(0))} CPUs usable, torch {torch.__version__}"
            if device.type == "cpu" else torch.cuda.get_device_name(device),
@@ -159,6 +160,3 @@ def main(args: argparse.Namespace) -> dict:
     print(text)
     return doc
 
-
-if __name__ == "__main__":
-    run_cli(lambda: main(get_args_parser().parse_args()))

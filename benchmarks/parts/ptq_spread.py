@@ -5,7 +5,7 @@ and within each group sets side by side the runs that differ only in what should
 batches there are (``--calib-batches``) and how many of them the amax search scores on (``--head-batches``). Per
 model and setting it writes every run's PTQ mAP50-95 (with its even and odd image halves), their mean and range.
 
-    python3 benchmarks/ptq_spread.py runs/sweep/*/report.json --out benchmarks/results/ptq-spread --label ptq-spread
+    python3 benchmarks/diagnose.py ptq-spread runs/sweep/*/report.json --out runs/ptq-spread --label ptq-spread
 
 Runs whose calibration came out identical to another of the same group (every searched factor, the search's losses
 and the PTQ figures; e.g. ``--calib-batches 30`` where the data has 24 batches, as 25 gives) count once: the
@@ -20,9 +20,11 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the library, from this checkout: no tree needed
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the library, from this checkout: no tree needed
 from utils.qat.core.atomic import atomic_path, write_text  # noqa: E402
-from utils.qat.core.errors import QATError, run_cli  # noqa: E402
+from utils.qat.core.errors import QATError  # noqa: E402
+
+from parts import portable  # noqa: E402
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -143,13 +145,10 @@ def plot(result: dict, path: Path) -> None:
 def main(args: argparse.Namespace) -> dict:
     result = spread([read_run(f) for f in report_files(args.reports)])
     out = Path(args.out)
-    write_text(out / f"{args.label}.json", json.dumps(result, indent=1))
+    write_text(out / f"{args.label}.json", portable.text(json.dumps(result, indent=1), work=out))
     text = render(result, args.label)
     write_text(out / f"{args.label}.md", text + "\n")
     plot(result, out / f"{args.label}.png")
     print(text)
     return result
 
-
-if __name__ == "__main__":
-    run_cli(lambda: main(get_args_parser().parse_args()))

@@ -1,18 +1,12 @@
-"""Multi-GPU QAT against one GPU: speed-up per epoch, and whether N processes calibrate and train as one does.
+"""``benchmarks/cost.py --mode ddp``: multi-GPU QAT against one GPU, speed-up per epoch, and whether N processes
+calibrate and train as one does.
 
 The same ``qat.py quantize`` for the same global batch, run once in one process and once under
-``torch.distributed.run`` with ``--nproc`` processes. Writes ddp.json and ddp.md
-into --out and prints the table: QAT seconds per epoch and the speed-up, calibration seconds, loss and AP
-per epoch, and the largest amax differences (N processes vs one, and between the ranks of the N-process
-run, from the YOLOV9_QAT_AMAX_DUMP files every rank writes after calibration).
-
-Run from the top of a patched YOLOv9 tree (keep NVLink multicast off where the host asks for it, e.g.
-NCCL_NVLS_ENABLE=0; the processes inherit the environment):
-
-    python3 /path/to/yolov9-qat/benchmarks/ddp.py --weights gelan-c.pt --data data/coco.yaml --imgsz 640 \\
-        --batch-size 64 --epochs 3 --iters 50 --out runs/benchmark/ddp
-
---cpu runs both on the CPU (gloo), one thread per process: how tests/test_ddp.py checks this script.
+``torch.distributed.run`` with ``--nproc`` processes. Writes ddp.json and ddp.md, the runs and their logs into --out
+and prints the table: QAT seconds per epoch and the speed-up, calibration seconds, loss and AP per epoch, and the
+largest amax differences (N processes vs one, and between the ranks of the N-process run, from the
+YOLOV9_QAT_AMAX_DUMP files every rank writes after calibration). ``--device cpu`` runs both on the CPU (gloo), one
+thread per process: how tests/test_ddp.py checks it.
 """
 from __future__ import annotations
 
@@ -25,30 +19,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.getcwd())
-from utils.qat.core.atomic import write_text  # noqa: E402
-from utils.qat.core.errors import QATError, run_cli  # noqa: E402
-from utils.qat.model.safe_load import add_trust_flag  # noqa: E402
+from utils.qat.core.atomic import write_text
+from utils.qat.core.errors import QATError
 
-
-def get_args_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--weights", required=True)
-    add_trust_flag(p)
-    p.add_argument("--data", required=True)
-    p.add_argument("--imgsz", type=int, default=640)
-    p.add_argument("--batch-size", type=int, default=64, help="global batch, the same for both runs")
-    p.add_argument("--nproc", type=int, default=2, help="processes (GPUs) of the multi-GPU run")
-    p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--iters", type=int, default=50)
-    p.add_argument("--calib-method", default="max")
-    p.add_argument("--calib-batches", type=int, default=8)
-    p.add_argument("--hyp", default=None)
-    p.add_argument("--workers", type=int, default=8)
-    p.add_argument("--cpu", action="store_true", help="run on the CPU (gloo) instead of GPUs 0..nproc-1")
-    p.add_argument("--timeout", type=float, default=3600, help="seconds allowed for each run")
-    p.add_argument("--out", required=True)
-    return p
+from parts import portable
 
 
 def qat_command(args: argparse.Namespace, nproc: int, project: Path) -> list[str]:
@@ -173,13 +147,10 @@ def main(args: argparse.Namespace) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     one = run(args, 1, out)
     many = run(args, args.nproc, out)
-    result = summarise(args, one, many)
-    write_text(out / "ddp.json", json.dumps(result, indent=2))
-    md = render(result)
+    result = {"command": portable.command(work=out), **summarise(args, one, many)}
+    write_text(out / "ddp.json", portable.text(json.dumps(result, indent=2), work=out))
+    md = portable.text(render(result), work=out)
     write_text(out / "ddp.md", md)
     print(md)
     return result
 
-
-if __name__ == "__main__":
-    run_cli(lambda: main(get_args_parser().parse_args()))

@@ -1,8 +1,8 @@
 """An INT8 graph against its FP graph at OpenVINO's default precision, convolution by convolution: where INT8 loses
 time on this CPU, and whether leaving those convolutions in floating point wins it back.
 
-    python3 benchmarks/ov_profile.py --fp yolov9-t.onnx --int8 ptq_yolov9-t.onnx --out runs/ov-profile \\
-        --label yolov9-t-16core
+    python3 /path/to/yolov9-qat/benchmarks/diagnose.py ov-profile --fp yolov9-t.onnx --int8 ptq_yolov9-t.onnx \\
+        --out runs/ov-profile --label yolov9-t-16core
 
 On CPUs with AMX or AVX512-BF16 OpenVINO computes a floating-point graph in bf16 unless told otherwise, and that is
 what an INT8 graph has to beat (README's CPU table). This script profiles both graphs at batch 1 (OpenVINO's
@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import sys
 import time
 from collections import defaultdict
@@ -38,7 +37,9 @@ from utils.qat.core import compat  # noqa: E402
 compat.apply()
 
 from utils.qat.core.atomic import write_text  # noqa: E402
-from utils.qat.core.errors import QATError, run_cli  # noqa: E402
+from utils.qat.core.errors import QATError  # noqa: E402
+
+from parts import portable  # noqa: E402
 
 VARIANTS = ("slower", "first", "cin32")
 
@@ -178,7 +179,7 @@ def measure(args: argparse.Namespace) -> dict:
                   "INT8, its float in f32": OpenVINOBackend(args.int8, shape=shape_b, precision="f32")}
         graphs.update({k: OpenVINOBackend(p, shape=shape_b, precision=None) for k, p in paths.items()})
         timing[str(b)] = timed(graphs, x, args.warmup, args.runs if b == 1 else max(5, args.runs // 2))
-    return {"label": args.label, "command": "ov_profile.py " + shlex.join(sys.argv[1:]),
+    return {"label": args.label, "command": portable.command(work=args.out),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": cpu_info(),
             "versions": versions(["openvino"]), "imgsz": args.imgsz, "default_precision": fp.precision,
             "by_type_ms": {"FP": totals(fp_rows, "type"), "INT8": totals(q_rows, "type"),
@@ -252,6 +253,3 @@ def main(args: argparse.Namespace) -> dict:
     print(markdown(doc))
     return doc
 
-
-if __name__ == "__main__":
-    run_cli(lambda: main(get_args_parser().parse_args()))

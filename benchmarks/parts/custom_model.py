@@ -1,4 +1,5 @@
-"""A custom model made the way users make theirs: upstream train.py fine-tunes a COCO model on a few classes.
+"""``benchmarks/cli_results.py custom-model``: a custom model made the way users make theirs, upstream train.py
+fine-tuning a COCO model on a few classes (the model the ``custom-*`` result sets quantize).
 
 The data: the images of --train-set (default coco369, COCO train2017) and --eval-set (default coco334, val2017)
 that hold at least one of --classes, their labels kept for those classes alone and renumbered 0..n-1. The model:
@@ -9,8 +10,8 @@ train images only (`--noval`: no epoch is chosen by any image, the last epoch is
 labels, `custom.yaml` with an absolute path), `custom-<classes>.pt` (the last epoch, upstream's format, without the optimizer),
 `custom_model.json` (classes, image counts, the command lines, the FP score, the weights' sha256) and the logs.
 
-    python3 benchmarks/custom_model.py --tree /path/to/patched/yolov9 --shared ../shared --out runs/custom \
-        --classes person car dog --epochs 60 --device 0
+    python3 benchmarks/cli_results.py custom-model --tree /path/to/patched/yolov9 --shared ../shared \\
+        --out runs/custom --classes person car dog --epochs 60 --device 0
 
 Upstream's train.py on today's stack needs three things the toolkit's commands do without, all set for its process
 alone: the toolkit's compatibility shims (np.trapz, pkg_resources), torch.load of the trusted --weights with its full
@@ -31,7 +32,8 @@ from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+from parts import portable
+
 # sha256 of the shared COCO YOLOv9-t (../shared/README.md): the one file this script lets torch unpickle in full
 KNOWN_WEIGHTS = {"yolov9-t-coco.pt": "7dd93c53091f664b4171c9cd933a059cc1c4492ee100680479b17f092ae00197"}
 TRAIN = """\
@@ -50,7 +52,8 @@ class Refused(Exception):
 def get_args_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tree", required=True, help="a YOLOv9 tree patched with this toolkit (./patch_yolov9.sh)")
-    p.add_argument("--shared", default=str(REPO.parent / "shared"), help="the shared folder (datasets/, weights/)")
+    p.add_argument("--shared", default=str(portable.shared()),
+                   help="the shared folder (datasets/, weights/) (default: YOLOV9_QAT_SHARED, else ../shared)")
     p.add_argument("--weights", default=None, help="the COCO model to start from (default: SHARED/weights/yolov9-t-coco.pt)")
     p.add_argument("--classes", nargs="+", default=["person", "car", "dog"], help="COCO class names kept")
     p.add_argument("--train-set", default="coco369", help="folder of SHARED/datasets trained on")
@@ -166,16 +169,11 @@ def main(args) -> dict:
     record.update(weights=str(model), weights_sha256=sha256(model), size_bytes=model.stat().st_size,
                   started_from=weights.name, fp_AP=result.get("AP"), fp_AP50=result.get("AP50"),
                   per_class=result.get("per_class"), commands={"train": ["train.py", *train[3:]], "eval": score[1:]})
-    (out / "custom_model.json").write_text(json.dumps(record, indent=2))
+    (out / "custom_model.json").write_text(portable.text(json.dumps(record, indent=2), work=out, tree=tree))
+    for log in (out / "train.log", out / "eval.log"):  # no path of this machine in what is committed
+        log.write_text(portable.text(log.read_text(errors="replace"), work=out, tree=tree))
     print(f"{model}: FP mAP50-95 {record['fp_AP']} on {record['images']['val']} {args.eval_set} images "
           f"({', '.join(args.classes)}); trained on {record['images']['train']} {args.train_set} images in "
           f"{record['train_seconds']} s")
     return record
 
-
-if __name__ == "__main__":
-    try:
-        main(get_args_parser().parse_args())
-    except Refused as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
