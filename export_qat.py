@@ -18,7 +18,8 @@
 --inplace               ignored, with a notice: accepted so that upstream export.py's command line works
                         (it sets the head's `inplace` attribute, which no YOLOv9 head reads).
 --check / --no-check    Q/DQ lint of the result (on by default for quantized checkpoints); findings that
-                        would stop TensorRT from fusing Q/DQ are printed and make the exit status non-zero.
+                        would stop TensorRT from fusing Q/DQ are printed, the graph is not kept and the exit
+                        status is non-zero (--no-check keeps it).
 --openvino-avx2         also W-avx2.onnx (W-end2end-avx2.onnx): the Q/DQ graph re-encoded for OpenVINO on x86
                         CPUs without VNNI or AMX, where the TensorRT graph's INT8 outputs are wrong (7-bit
                         weights, uint8 activations: utils/qat/onnx/avx2.py; docs/CPU.md).
@@ -64,7 +65,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--inplace", action="store_true",
                    help="ignored: upstream export.py's flag, accepted for its command line (no YOLOv9 head reads it)")
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=None,
-                   help="Q/DQ lint of the result, non-zero exit on findings (default: on for quantized checkpoints)")
+                   help="Q/DQ lint of the result: on findings no graph is kept and the exit status is non-zero "
+                        "(default: on for quantized checkpoints; --no-check keeps the graph)")
     p.add_argument("--openvino-avx2", action="store_true",
                    help="also write W-avx2.onnx, re-encoded for OpenVINO on x86 CPUs without VNNI or AMX (7-bit "
                         "weights, uint8 activations; costs some accuracy: docs/CPU.md)")
@@ -175,6 +177,8 @@ def main(args: argparse.Namespace) -> list[dict]:
                              end2end=end2end, task=task, device=device,
                              allow_fp=fp_patterns, metadata=metadata)
         print(format_report(report))
+        if check and report["lint"] is not None and report["lint"]["total"]:
+            raise refused(report, weights, [r["path"] for r in reports], args.half)
         if report["simplify"].startswith("failed"):
             print(f"notice: simplification failed, {report['path']} is the unsimplified graph "
                   f"({report['simplify'].removeprefix('failed: ').split(';')[0]}).")
@@ -185,14 +189,28 @@ def main(args: argparse.Namespace) -> list[dict]:
         if args.onnxruntime_cpu:
             report["ort_cpu"] = write_cpu_graph(Path(report["path"]), "--onnxruntime-cpu", args.onnxruntime_cpu)
         reports.append(report)
-    if check:
-        bad = [r for r in reports if r["lint"] is not None and r["lint"]["total"]]
-        if bad:
-            total = sum(r["lint"]["total"] for r in bad)
-            raise QATError(f"the Q/DQ lint found {total} TensorRT fusion blocker{'s' if total != 1 else ''} in "
-                           f"{', '.join(Path(r['path']).name for r in bad)} (listed above); the file was written, "
-                           f"fix the quantization (qat.py) or pass --no-check to accept it.")
     return reports
+
+
+def refused(report: dict, weights: Path, written: list[str], half: bool) -> QATError:
+    """The graph of ``report`` refused by its Q/DQ lint (``--check``): it and the graphs this command wrote before it
+    (``written``) are removed, and the sentence says what the lint found where, and what to do."""
+    for path in (report["path"], *written):
+        Path(path).unlink(missing_ok=True)
+    lint = report["lint"]
+    total = lint["total"]
+    kind, found = next(iter(lint["findings"].items()))
+    where = f"{kind} at {found['nodes'][0]}" + (f" and {total - 1} more" if total > 1 else "")
+    if "nonpositive_scale" in lint["findings"] and half:
+        fix = "a scale underflowed to 0 in FP16: export without --half, or pass --no-check to keep the graph as it is"
+    elif "nonpositive_scale" in lint["findings"]:
+        fix = ("TensorRT refuses a scale that is not positive, so the graph cannot run as it is (--no-check keeps it "
+               "to inspect)")
+    else:
+        fix = ("TensorRT would run those layers outside INT8 (slower, not wrong): pass --no-check to keep the graph "
+               "as it is")
+    return QATError(f"the Q/DQ lint found {total} TensorRT fusion blocker{'s' if total != 1 else ''} in the graph "
+                    f"exported from {weights} ({where}; all listed above), so no graph was kept; {fix}.")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from pathlib import Path  # noqa: E402
 from typing import TYPE_CHECKING  # noqa: E402
 
 
-from utils.qat.core import distributed, provenance, validate  # noqa: E402
+from utils.qat.core import distributed, provenance, timing, validate  # noqa: E402
 from utils.qat.model import checkpoint  # noqa: E402
 from utils.qat.run import reports  # noqa: E402
 from utils.qat.evaluation.data import (DEFAULT_HYPS, NO_HYP, data_argument, holdout_images, hyp_argument,  # noqa: E402
@@ -89,11 +89,11 @@ def _calibration(p: argparse.ArgumentParser, task: str) -> None:
                         "the largest of their calibrated amax, mse = the least squared error over all of them "
                         "(histogram methods; default: %(default)s)")
     p.add_argument("--pool-scale", choices=POOL_SCALES, default=DEFAULT_POOL_SCALE,
-                   help="an average pool's output (AConv, ADown): shared = on its input's scale, as TensorRT's INT8 "
-                        "pooling passes it; own = calibrated on its own, so that averages of INT8 values stop "
-                        "landing on rounding ties that each runtime breaks its own way (a checkpoint then scores "
-                        "what its graph scores on ONNX Runtime at any optimization level; docs/RESULTS.md 'A "
-                        "checkpoint against its graph'; default: %(default)s)")
+                   help="an average pool's output (AConv, ADown): own = calibrated on its own (the default), so that "
+                        "averages of INT8 values never land on rounding ties, which each runtime breaks its own way "
+                        "(a checkpoint then scores what its graph scores); shared = on its input's scale, as "
+                        "checkpoints before 2026-12-06 were made (docs/RESULTS.md 'One model, one score'; default: "
+                        "%(default)s)")
     p.add_argument("--seed", type=int, default=57,
                    help="seeds the fine-tuning: the order of the training images and the random streams of their "
                         "augmentation (runs with the same seed and --workers repeat; docs/QAT_FINETUNING.md 'GELAN-C "
@@ -278,11 +278,12 @@ def cmd_quantize(args) -> Path | None:
 def _quantize(args, device, launch) -> Path | None:
     """PTQ, then QAT (``utils.qat.run.pipeline.qat``). Rank 0 (or the single process) evaluates, writes every
     file and prints (the recorder); the other ranks train on their shards and wait while rank 0 works."""
-    from utils.qat.run.pipeline import qat
-    from utils.qat.quantize.head import check_layers
-    from utils.qat.quantize.rules import fp_patterns
-    from utils.qat.run.run_record import RunRecorder
-    with distributed.same_on_every_rank():  # the checks every rank makes alike: one error, printed once
+    with timing.timed("imports"):  # modelopt's the larger part
+        from utils.qat.run.pipeline import qat
+        from utils.qat.quantize.head import check_layers
+        from utils.qat.quantize.rules import fp_patterns
+        from utils.qat.run.run_record import RunRecorder
+    with timing.timed("loading"), distributed.same_on_every_rank():  # every rank's checks: one error, printed once
         fp = checkpoint.load_fp(args.weights, task=args.task, trust=args.trust_weights)
         resolve_auto(args, device)
         config = quant_config(args)
@@ -391,6 +392,7 @@ def cmd_eval(args) -> Path:
 
 
 def main(args) -> Path:
+    timing.begin()  # report.json's stages: start-up is the time until here
     validate.check_args(args)
     keep_freed_memory()  # the CPU's work (calibration, evaluation, data) without page-faulting every large tensor
     return {"quantize": cmd_quantize, "sensitive": cmd_sensitive, "eval": cmd_eval}[args.cmd](args)

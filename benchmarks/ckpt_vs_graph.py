@@ -1,33 +1,41 @@
-"""A quantized checkpoint against its own exported graph, on one CPU under one protocol: how far the number `qat.py`
-shows (the fake-quant checkpoint in PyTorch) is from the number the graph ships with (ONNX Runtime, as val_trt.py
-runs it).
+"""One quantized checkpoint, every arithmetic it is scored in: does it score the same in PyTorch on a GPU, in PyTorch
+on a CPU with every thread and with one, and as its exported graph on ONNX Runtime and on OpenVINO?
 
     python3 benchmarks/ckpt_vs_graph.py --weights runs/qat/exp/weights/qat_best_yolov9-t.pt --data coco.yaml \\
-        --out runs/ckpt-vs-graph --label yolov9-t-qat --float64 --unoptimized
+        --out runs/one-score --label yolov9-t-qat
 
-Exports each checkpoint as ``export_qat.py --dynamic`` does (or scores ``--graph``), scores checkpoint and graph on
-the CPU with the one evaluator, at the same batch and protocol, and reports for each: both mAP50-95, graph minus
-checkpoint with its 95% paired-bootstrap interval over the images, and how many images came out with the same
-detections (the same number kept, the same classes, confidences within --conf-tol, the same matches to the labels).
-Two more scorings of the same model under another arithmetic give the band to read that difference against:
-``--float64`` (the checkpoint in float64) and ``--unoptimized`` (the graph with ONNX Runtime's basic rewrites only,
-each operator computed as ONNX defines it, where the default fuses Q/DQ into integer kernels). Where they part, it
-is arithmetic, not definition (docs/RESULTS.md "A checkpoint against its graph": the scales, INT8 weights, rounding
-and placement are the same; an average pool of INT8 values requantized on their own scale puts about a quarter of
-its outputs exactly on a rounding tie, which the order of a float sum decides, and the network carries the flips).
-Writes OUT/LABEL.json, OUT/LABEL.md and the graphs in OUT/LABEL-graphs/.
+Exports each checkpoint as ``export_qat.py --dynamic`` does (or scores ``--graph``) and scores it once in each of
+``--arithmetics`` with the one evaluator, at the same batch and protocol:
+
+==========  ===============================================================================================
+gpu         the checkpoint in PyTorch on the first GPU, as qat.py evaluates it (integer convolutions, float32 elsewhere)
+cpu         the checkpoint in PyTorch on the CPU, every thread this process has
+cpu1        the checkpoint in PyTorch on the CPU, one thread
+ort         its graph on ONNX Runtime (default optimizations: Q/DQ fused into integer kernels)
+openvino    its graph on OpenVINO, floating point in f32 (refused on CPUs whose INT8 convolutions saturate)
+ort-basic   its graph on ONNX Runtime with its basic rewrites only (each operator as ONNX defines it)
+==========  ===============================================================================================
+
+For each checkpoint the table gives every score, each one's difference from the reference arithmetic (``--reference``,
+by default the first of gpu, cpu, cpu1, ort, openvino that was scored) with its 95% paired-bootstrap interval over the
+images, how many images came out with the same detections as the reference's, and the spread (largest minus smallest
+score). Scores are kept per arithmetic, image by image (``OUT/LABEL-images/``), so a set begun on a GPU machine can be
+finished on another: run again with the same ``--out`` and ``--label`` and the other ``--arithmetics``, and the rows
+of the checkpoints already there (the same file, by its SHA-256) keep the scores they have. Why the arithmetics part at
+all: docs/RESULTS.md "One model, one score". Writes OUT/LABEL.json, OUT/LABEL.md and the graphs in OUT/LABEL-graphs/.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
-import shlex
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, os.getcwd())
+sys.path.insert(1, str(Path(__file__).resolve().parent))  # benchmarks/parts/
 from utils.qat.core import compat  # noqa: E402
 
 compat.apply()
@@ -36,34 +44,42 @@ from utils.qat.core.atomic import write_text  # noqa: E402
 from utils.qat.core.errors import QATError, run_cli  # noqa: E402
 from utils.qat.core.validate import check_args  # noqa: E402
 
+from parts import portable  # noqa: E402
+
+ARITHMETICS = {
+    "gpu": "PyTorch, GPU",
+    "cpu": "PyTorch, CPU",
+    "cpu1": "PyTorch, CPU, 1 thread",
+    "ort": "ONNX Runtime",
+    "openvino": "OpenVINO",
+    "ort-basic": "ONNX Runtime, basic",
+}
+DEPLOYED = ("gpu", "cpu", "cpu1", "ort", "openvino")  # the arithmetics users score or ship with, in reference order
+
 
 def get_args_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--weights", nargs="+", required=True, type=Path, help="quantized checkpoints (qat.py quantize)")
     p.add_argument("--graph", nargs="+", type=Path, default=None,
-                   help="their exported graphs, in the same order (default: export each here)")
+                   help="their exported graphs, in the same order (default: export each into OUT/LABEL-graphs/, or "
+                        "reuse the one a run before exported there)")
+    p.add_argument("--arithmetics", nargs="+", default=["auto"], choices=["auto", *ARITHMETICS],
+                   help="where each checkpoint is scored (default auto: gpu where there is one, cpu, cpu1, ort, and "
+                        "openvino where it is installed and computes INT8 exactly on this CPU)")
+    p.add_argument("--reference", choices=DEPLOYED, default=None,
+                   help="the arithmetic the others are compared with (default: the first of "
+                        f"{', '.join(DEPLOYED)} that was scored)")
     p.add_argument("--data", required=True, help="dataset yaml: its val split is scored")
     p.add_argument("--imgsz", type=int, default=640, help="evaluation size (default 640)")
-    p.add_argument("--batch-size", type=int, nargs="+", default=[16],
-                   help="evaluation batches (default 16): the first is compared image by image; each other one "
-                        "scores both again, to show that the score does not depend on it (the one protocol)")
+    p.add_argument("--batch-size", type=int, default=16, help="evaluation batch (default 16; the one protocol makes "
+                                                               "scores independent of it)")
     p.add_argument("--num-image", type=int, default=None, help="score on the first N val images (default all)")
     p.add_argument("--workers", type=int, default=4, help="dataloader workers")
-    p.add_argument("--float64", action="store_true",
-                   help="also score each checkpoint in float64: how far float arithmetic alone moves its score, the "
-                        "band to read graph - checkpoint against")
-    p.add_argument("--unoptimized", action="store_true",
-                   help="also score each graph with ONNX Runtime's basic rewrites only (each operator as ONNX defines "
-                        "it, no fused integer kernels): what the runtime's kernels add to graph - checkpoint")
     p.add_argument("--conf-tol", type=float, default=1e-3,
                    help="confidences this close count as the same detection (default %(default)s)")
-    p.add_argument("--out", required=True, type=Path, help="folder of LABEL.json and LABEL.md")
-    p.add_argument("--label", default="ckpt-vs-graph", help="name of the result files (default: %(default)s)")
+    p.add_argument("--out", required=True, type=Path, help="folder of LABEL.json, LABEL.md and the per-image scores")
+    p.add_argument("--label", default="one-score", help="name of the result files (default: %(default)s)")
     return p
-
-
-COMPARED = ("checkpoint", "graph")  # scored at every --batch-size, compared image by image
-BANDS = ("float64", "unoptimized_graph")  # the same model under another arithmetic, scored at the first batch only
 
 
 def same_detections(a, b, tol: float) -> bool:
@@ -80,132 +96,187 @@ def same_detections(a, b, tol: float) -> bool:
                 and np.array_equal(ca[ia], cb[ib]))
 
 
-def _float64(qmodel, task: str):
-    """The checkpoint computed in float64, fed and read in float32 as the evaluator expects: the same model, the same
-    scales and rounding, another float arithmetic (values on a rounding tie may round the other way)."""
-    import copy
+def available(requested: list[str]) -> list[str]:
+    """``--arithmetics`` resolved: ``auto`` is every deployed arithmetic this machine can run; one it cannot is refused
+    in one sentence."""
+    import torch
+    openvino = _openvino_exact()
+    if requested == ["auto"]:
+        return [a for a in DEPLOYED if (a != "gpu" or torch.cuda.is_available()) and (a != "openvino" or openvino)]
+    if "auto" in requested:
+        raise QATError("--arithmetics auto stands alone; name the arithmetics, or give auto only.")
+    if "gpu" in requested and not torch.cuda.is_available():
+        raise QATError("--arithmetics gpu needs a CUDA GPU and this machine has none; leave gpu out (and score it on a "
+                       "GPU machine into the same --out and --label).")
+    if "openvino" in requested and not openvino:
+        raise QATError("--arithmetics openvino: OpenVINO is not installed, or its INT8 convolutions saturate on this "
+                       "CPU (it would score another model than the graph); install it (install_dependencies.sh "
+                       "--openvino) or score openvino on a CPU with VNNI or AMX into the same --out and --label.")
+    return list(dict.fromkeys(requested))
 
+
+def _openvino_exact() -> bool:
+    try:
+        import openvino  # noqa: F401
+    except ImportError:
+        return False
+    from utils.qat.evaluation.openvino_probe import openvino_int8_exact
+    return openvino_int8_exact()
+
+
+@contextlib.contextmanager
+def _threads(n: int | None):
+    """PyTorch's intra-op threads set to ``n`` inside the block (None: unchanged)."""
+    import torch
+    saved = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(saved)
+
+
+def _backend(arithmetic: str, weights: Path, graph: Path, task: str):
+    """The evaluator's backend for one arithmetic, and the intra-op threads it runs with (None: the default)."""
     import torch
 
-    from utils.qat.evaluation.backends import TorchBackend
-
-    class Float64(TorchBackend):
-        def __call__(self, images):
-            out = super().__call__(images.double())
-            return [o.float() for o in out] if isinstance(out, (list, tuple)) else out.float()
-
-    return Float64(copy.deepcopy(qmodel).double(), torch.device("cpu"), task=task)
-
-
-def compare(weights: Path, graph: Path | None, data: dict, args: argparse.Namespace, graphs: Path) -> dict:
-    """One checkpoint against its graph: the row of LABEL.json."""
-    from utils.qat.evaluation.backends import ORTBackend, TorchBackend
-    from utils.qat.evaluation.evaluate import evaluate
-    from utils.qat.evaluation.resample import PairedBootstrap, record, shown
+    from utils.qat.evaluation.backends import OpenVINOBackend, ORTBackend, TorchBackend
     from utils.qat.model import checkpoint
-    from utils.qat.onnx.onnx_export import export_onnx, load_for_export
-    import torch
-    model, task, _quantized, fp_patterns = load_for_export(weights)
-    if graph is None:
-        graph = graphs / f"{weights.stem}.onnx"
-        export_onnx(model, graph, imgsz=args.imgsz, dynamic=True, allow_fp=fp_patterns, task=task,
-                    metadata={"source": weights.name})
-    elif not graph.is_file():
-        raise QATError(f"--graph {graph} not found; leave --graph out to export each checkpoint here.")
-    del model
-    qmodel = checkpoint.load_quantized(weights, task=task)[0]
-    scores, by_batch = {}, {}
-    backends = [("checkpoint", TorchBackend(qmodel, torch.device("cpu"), task=task)), ("graph", ORTBackend(graph))]
-    if args.float64:
-        backends.append(("float64", _float64(qmodel, task)))
-    if args.unoptimized:
-        backends.append(("unoptimized_graph", ORTBackend(graph, optimize=False)))
-    for name, backend in backends:
-        for batch in args.batch_size if name in COMPARED else args.batch_size[:1]:
-            start = time.time()
-            m = evaluate(backend, data, task=task, imgsz=args.imgsz, batch_size=batch, workers=args.workers,
-                         num_images=args.num_image, desc=f"{weights.name}: {name.replace('_', ' ')}, batch {batch}")
-            m.seconds = time.time() - start
-            scores.setdefault(name, m)  # the first batch is the one compared image by image
-            if name in COMPARED:
-                by_batch.setdefault(str(batch), {})[name] = round(m.mAP50_95, 4)
-    ckpt, onnx = scores["checkpoint"], scores["graph"]
-    d = PairedBootstrap(ckpt)(onnx)
+    if arithmetic == "ort":
+        return ORTBackend(graph), None
+    if arithmetic == "ort-basic":
+        return ORTBackend(graph, optimize=False), None
+    if arithmetic == "openvino":
+        return OpenVINOBackend(graph), None
+    model = checkpoint.load_quantized(weights, task=task)[0]
+    if arithmetic == "gpu":
+        return TorchBackend(model, torch.device("cuda:0"), task=task), None
+    return TorchBackend(model, torch.device("cpu"), task=task), 1 if arithmetic == "cpu1" else None
 
-    def same(other) -> int:  # images whose detections agree with the checkpoint's
-        by_path = {i.path: i for i in other.per_image}
-        return sum(same_detections(i.box, by_path[i.path].box, args.conf_tol) for i in ckpt.per_image)
 
-    row = {"weights": str(weights), "graph": str(graph), "images": ckpt.images,
-           "checkpoint": {"AP": round(ckpt.mAP50_95, 4), "AP50": round(ckpt.mAP50, 4)},
-           "graph_scores": {"AP": round(onnx.mAP50_95, 4), "AP50": round(onnx.mAP50, 4)},
-           "graph_minus_checkpoint": record(d), "shown": shown(d), "tie": d.tie,
-           "same_detections": same(onnx), "by_batch": by_batch,
-           "batch_invariant": all(len({b[k] for b in by_batch.values()}) == 1 for k in COMPARED),
-           "seconds": {k: round(m.seconds, 1) for k, m in scores.items()}}
-    for name in BANDS:
-        if name in scores:
-            d = PairedBootstrap(ckpt)(scores[name])
-            row[name] = {"AP": round(scores[name].mAP50_95, 4), "minus_checkpoint": record(d), "shown": shown(d),
-                         "same_detections": same(scores[name])}
-    return row
+def score(arithmetic: str, weights: Path, graph: Path, task: str, data: dict, args: argparse.Namespace,
+          images: Path) -> dict:
+    """Scores one checkpoint in one arithmetic; keeps its per-image statistics in ``images`` and returns its entry."""
+    from utils.qat.evaluation.cpu_bench import cpu_info
+    from utils.qat.evaluation.evaluate import evaluate
+    from utils.qat.evaluation.resample import save_images
+    backend, threads = _backend(arithmetic, weights, graph, task)
+    with _threads(threads) as used:
+        start = time.time()
+        m = evaluate(backend, data, task=task, imgsz=args.imgsz, batch_size=args.batch_size, workers=args.workers,
+                     num_images=args.num_image, desc=f"{weights.name}: {ARITHMETICS[arithmetic]}")
+        seconds = time.time() - start
+    save_images(m, images / f"{weights.stem}.{arithmetic}.npz")
+    if arithmetic == "gpu":
+        import torch
+        where = torch.cuda.get_device_name(0)
+    else:
+        cpu = cpu_info()
+        where = f"{cpu['model']}, {used if arithmetic in ('cpu', 'cpu1') else cpu['cpus']} threads"
+    return {"AP": round(m.mAP50_95, 4), "AP50": round(m.mAP50, 4), "images": m.images, "where": where,
+            "seconds": round(seconds, 1), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+def compare(row: dict, images: Path, reference: str | None, tol: float) -> None:
+    """Fills ``row`` with each arithmetic's difference from the reference (paired interval, same detections) and the
+    spread of the deployed arithmetics' scores, from the per-image statistics kept in ``images``."""
+    from utils.qat.evaluation.resample import PairedBootstrap, load_images, record, shown
+    scored = row["scores"]
+    reference = reference or next((a for a in DEPLOYED if a in scored), None)
+    if reference is None or reference not in scored:
+        raise QATError(f"--reference {reference}: {row['weights']} was not scored there; score it (--arithmetics) or "
+                       f"pick one of {', '.join(scored)}.")
+    stats = {a: load_images(images / f"{Path(row['weights']).stem}.{a}.npz") for a in scored}
+    for s in stats.values():  # an image by its file name: machines keep the data in other folders
+        for image in s.per_image:
+            image.path = Path(image.path).name
+    paired = PairedBootstrap(stats[reference])
+    by_path = {a: {i.path: i.box for i in s.per_image} for a, s in stats.items()}
+    row["reference"], row["vs_reference"] = reference, {}
+    for a in scored:
+        if a == reference:
+            continue
+        d = paired(stats[a])
+        same = sum(same_detections(box, by_path[a].get(p), tol) for p, box in by_path[reference].items())
+        row["vs_reference"][a] = {**record(d), "shown": shown(d), "tie": d.tie, "same_detections": same}
+    deployed = [scored[a]["AP"] for a in DEPLOYED if a in scored]
+    row["spread"] = round(max(deployed) - min(deployed), 4)
 
 
 def render(doc: dict) -> str:
-    batches = doc["batch_size"]
-    lines = [f"# {doc['label']}: checkpoints against their graphs", "",
-             f"Made by `{doc['command']}` ({doc['date']}, {doc['machine']}): each quantized checkpoint scored in PyTorch "
-             f"(fake quantization) and its `export_qat.py --dynamic` graph on ONNX Runtime, both on the CPU, the one "
-             f"protocol, {doc['imgsz']} px, mAP50-95, compared at batch {batches[0]}. `graph - checkpoint` carries its "
-             f"95% paired-bootstrap interval over the images; `same detections`: images whose detections agree (count, "
-             f"classes, confidences within {doc['conf_tol']}, matches); `by batch`: checkpoint / graph scored again at "
-             f"each batch, which the one protocol makes the same.", "",
-             "| checkpoint | checkpoint | graph | graph - checkpoint | same detections | by batch |",
-             "|---|---|---|---|---|---|"]
+    lines = [f"# {doc['label']}: one checkpoint, every arithmetic", "",
+             f"Made by `{doc['command']}`: each quantized checkpoint scored by the one evaluator ({doc['imgsz']} px, "
+             f"batch {doc['batch_size']}, mAP50-95) in each arithmetic below. Each difference is from the row's "
+             f"reference arithmetic, with its 95% paired-bootstrap interval over the images and the images whose "
+             f"detections are the same (count, classes, confidences within {doc['conf_tol']}, matches); `spread`: "
+             f"the largest minus the smallest of {', '.join(DEPLOYED)}.", ""]
     for r in doc["rows"]:
-        by_batch = ", ".join(f"{b}: {s['checkpoint']:.4f} / {s['graph']:.4f}" for b, s in r["by_batch"].items())
-        lines.append(f"| {Path(r['weights']).name} | {r['checkpoint']['AP']:.4f} | {r['graph_scores']['AP']:.4f} | "
-                     f"{r['shown']} | {r['same_detections']} / {r['images']} | {by_batch}"
-                     f"{'' if r['batch_invariant'] else ' (differ)'} |")
-    bands = [(r, k) for r in doc["rows"] for k in BANDS if k in r]
-    if bands:
-        lines += ["", "The same model under another arithmetic, the band to read `graph - checkpoint` against: "
-                  "`float64`, the checkpoint computed in float64 in PyTorch (the same scales and rounding); "
-                  "`unoptimized graph`, the graph on ONNX Runtime with its basic rewrites only (each operator as ONNX "
-                  "defines it, no fused integer kernels).", "",
-                  "| checkpoint | scored as | AP | minus checkpoint | same detections |", "|---|---|---|---|---|"]
-        lines += [f"| {Path(r['weights']).name} | {k.replace('_', ' ')} | {r[k]['AP']:.4f} | {r[k]['shown']} | "
-                  f"{r[k]['same_detections']} / {r['images']} |" for r, k in bands]
-    return "\n".join(lines) + "\n"
+        lines += [f"## {r['weights']}", "", f"Reference: {ARITHMETICS[r['reference']]}; spread {r['spread']:.4f}.", "",
+                  "| arithmetic | mAP50-95 | minus reference | same detections | scored on |", "|---|---|---|---|---|"]
+        for a in ARITHMETICS:
+            if a not in r["scores"]:
+                continue
+            s = r["scores"][a]
+            vs = r["vs_reference"].get(a)
+            diff = "reference" if vs is None else vs["shown"]
+            same = "" if vs is None else f"{vs['same_detections']} / {s['images']}"
+            lines.append(f"| {ARITHMETICS[a]} | {s['AP']:.4f} | {diff} | {same} | {s['where']}, {s['date']} |")
+        lines.append("")
+    return "\n".join(lines)
 
 
 def main(args: argparse.Namespace) -> dict:
-    from utils.qat.evaluation.cpu_bench import cpu_info
     from utils.qat.evaluation.data import load_data_yaml
+    from utils.qat.core.provenance import sha256
+    from utils.qat.model import checkpoint
+    from utils.qat.onnx.onnx_export import export_onnx, load_for_export
     check_args(args)
     if args.graph is not None and len(args.graph) != len(args.weights):
         raise QATError(f"--graph gives {len(args.graph)} graphs for {len(args.weights)} checkpoints; give one per "
                        f"checkpoint, in the same order, or leave --graph out.")
-    from utils.qat.model import checkpoint
     for w in args.weights:
         if not w.is_file():
             raise QATError(f"--weights {w} not found; pass quantized checkpoints (qat.py quantize writes them).")
         if not checkpoint.is_quantized(checkpoint.read(w)):
             raise QATError(f"{w} is a floating-point checkpoint; pass a quantized one (qat.py quantize writes them).")
+    if len({w.name for w in args.weights}) != len(args.weights):
+        raise QATError("two --weights share a file name; the rows are named by it: copy one under another name.")
+    arithmetics = available(args.arithmetics)
     data = load_data_yaml(args.data, splits=("val",))
-    graphs = args.out / f"{args.label}-graphs"
-    graphs.mkdir(parents=True, exist_ok=True)
-    cpu = cpu_info()
-    doc = {"label": args.label, "command": shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "machine": f"{cpu['model']}, {cpu['cpus']} CPUs", "imgsz": args.imgsz, "batch_size": args.batch_size,
-           "conf_tol": args.conf_tol, "rows": []}
+    graphs, images = args.out / f"{args.label}-graphs", args.out / f"{args.label}-images"
+    images.mkdir(parents=True, exist_ok=True)
+    graphs.mkdir(exist_ok=True)
+    doc_path = args.out / f"{args.label}.json"
+    doc = {"label": args.label, "command": portable.command(work=args.out),
+           "imgsz": args.imgsz, "batch_size": args.batch_size, "num_image": args.num_image, "conf_tol": args.conf_tol,
+           "rows": []}
+    earlier = json.loads(doc_path.read_text()) if doc_path.is_file() else {"rows": []}
+    protocol = ("imgsz", "batch_size", "num_image")
+    if earlier["rows"] and any(earlier.get(k) != doc[k] for k in protocol):
+        raise QATError(f"{doc_path} was scored at {', '.join(f'{k} {earlier.get(k)}' for k in protocol)}; score at the "
+                       f"same settings to add to it, or pass another --label.")
+    rows = {r["sha256"]: r for r in earlier["rows"]}
     for i, w in enumerate(args.weights):
-        doc["rows"].append(compare(w, args.graph[i] if args.graph else None, data, args, graphs))
-        write_text(args.out / f"{args.label}.json", json.dumps(doc, indent=2))
-        write_text(args.out / f"{args.label}.md", render(doc))
+        digest = sha256(w)
+        row = rows.setdefault(digest, {"weights": w.name, "sha256": digest, "scores": {}})
+        row["weights"] = w.name
+        model, task, _quantized, fp_patterns = load_for_export(w)
+        graph = args.graph[i] if args.graph else graphs / f"{w.stem}.onnx"
+        if args.graph and not graph.is_file():
+            raise QATError(f"--graph {graph} not found; leave --graph out to export each checkpoint here.")
+        if not graph.is_file() and any(a.startswith(("ort", "openvino")) for a in arithmetics):
+            export_onnx(model, graph, imgsz=args.imgsz, dynamic=True, allow_fp=fp_patterns, task=task,
+                        metadata={"source": w.name})
+        del model
+        for a in arithmetics:
+            row["scores"][a] = score(a, w, graph, task, data, args, images)
+        compare(row, images, args.reference, args.conf_tol)
+        doc["rows"] = list(rows.values())  # the rows of checkpoints not named this time stay as they were
+        write_text(doc_path, portable.text(json.dumps(doc, indent=2), work=args.out))
+        write_text(args.out / f"{args.label}.md", portable.text(render(doc), work=args.out))
     print(render(doc))
-    print(f"wrote {args.out / args.label}.json and .md")
+    print(f"wrote {doc_path} and {args.out / args.label}.md")
     return doc
 
 

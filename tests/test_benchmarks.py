@@ -187,8 +187,14 @@ def test_cli_results_runs_at_once_and_records_failures(tmp_path):
         "--data", str(data), "--dataset-root", str(tmp_path / "datasets"), "--seeds", "57", "1", "--jobs", "2",
         "--python", str(fake), "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--label", "fake"])
     result = bench.main(args)
-    saved = json.loads((tmp_path / "out" / "fake.json").read_text())
-    assert saved == json.loads(json.dumps(result))
+    text = (tmp_path / "out" / "fake.json").read_text()
+    assert json.loads(text) == json.loads(bench.cleaner(result["settings"])(json.dumps(result)))
+    # the result set names no path of this machine: the tree, the work folder and the rest are placeholders
+    logs = [p.read_text() for p in (tmp_path / "out").rglob("*.log")]
+    for written in [text, *logs, (tmp_path / "out" / "fake.md").read_text()]:
+        assert str(tmp_path) not in written and "$WORK/runs/good-s57" in text, written[:2000]
+    assert json.loads(text)["settings"]["tree"] == "$YOLOV9_DIR"
+    assert json.loads(text)["runs"][0]["commands"][0]["command"].startswith("python3 qat.py quantize --weights $TMPDIR/")
     runs = {r["name"]: r for r in result["runs"]}
     assert list(runs) == ["good-s57", "good-s1", "broken-s57", "broken-s1"]
     for name in ("broken-s57", "broken-s1"):
@@ -319,9 +325,10 @@ def test_ckpt_vs_graph_same_detections():
 
 def test_ckpt_vs_graph_scores_a_checkpoint_and_its_graph(yolov9_tree, shapes, tmp_path):
     """benchmarks/ckpt_vs_graph.py on a quickly calibrated embedded model (shapes, 64 px): the checkpoint in PyTorch
-    and its exported graph on ONNX Runtime scored alike, their difference with its interval, most images with the
-    same detections, both scores the same at another batch, the float64 checkpoint and the unoptimized graph scored
-    near it; a floating-point checkpoint is refused in one sentence, before anything is written."""
+    on the CPU with every thread and with one scores the same to the last digit, with the same detections on every
+    image; its exported graph on ONNX Runtime scores near it, its difference carried with its interval. A second run
+    into the same set adds an arithmetic to the row and keeps the scores it had; a floating-point checkpoint is
+    refused in one sentence, before anything is written."""
     import yaml
 
     from helpers import quantized_checkpoint, real_images
@@ -331,27 +338,31 @@ def test_ckpt_vs_graph_scores_a_checkpoint_and_its_graph(yolov9_tree, shapes, tm
     train = train if train.is_absolute() else shapes.parent / train
     _, pt = quantized_checkpoint(checkpoint.load_fp(QS), real_images(train, 4, 64), tmp_path / "q.pt")
     out = tmp_path / "out"
-    common = ["--data", str(shapes), "--imgsz", "64", "--batch-size", "8", "4", "--workers", "0", "--out", str(out),
+    common = ["--data", str(shapes), "--imgsz", "64", "--batch-size", "8", "--workers", "0", "--out", str(out),
               "--label", "qs"]
-    doc = _main(yolov9_tree, "ckpt_vs_graph", "--weights", str(pt), "--float64", "--unoptimized", *common)
+    _main(yolov9_tree, "ckpt_vs_graph", "--weights", str(pt), "--arithmetics", "cpu", "cpu1", "ort", *common)
+    doc = _main(yolov9_tree, "ckpt_vs_graph", "--weights", str(pt), "--arithmetics", "ort-basic", *common)
     (row,) = doc["rows"]
-    diff = row["graph_minus_checkpoint"]
-    assert row["images"] == 16 and 0.1 < row["checkpoint"]["AP"] <= 1  # 4 calibration images at 64 px: ~0.19
-    assert abs(row["graph_scores"]["AP"] - row["checkpoint"]["AP"]) < 0.02
-    assert abs(diff["AP"] - (row["graph_scores"]["AP"] - row["checkpoint"]["AP"])) < 2e-4
-    assert diff["interval"][0] <= diff["interval"][1] and row["tie"] == (diff["interval"][0] <= 0 <= diff["interval"][1])
-    assert 8 <= row["same_detections"] <= 16 and Path(row["graph"]).is_file()
-    assert set(row["by_batch"]) == {"8", "4"} and row["batch_invariant"]  # the one protocol: the batch moves nothing
-    assert row["by_batch"]["8"] == {"checkpoint": row["checkpoint"]["AP"], "graph": row["graph_scores"]["AP"]}
-    for band in ("float64", "unoptimized_graph"):  # the same model under another arithmetic: a score near it
-        b = row[band]
-        assert abs(b["AP"] - row["checkpoint"]["AP"]) < 0.02 and 0 <= b["same_detections"] <= 16
-        assert abs(b["minus_checkpoint"]["AP"] - (b["AP"] - row["checkpoint"]["AP"])) < 2e-4
+    scores, vs = row["scores"], row["vs_reference"]
+    assert set(scores) == {"cpu", "cpu1", "ort", "ort-basic"} and row["reference"] == "cpu"
+    assert scores["cpu"]["images"] == 16 and 0.1 < scores["cpu"]["AP"] <= 1  # 4 calibration images at 64 px: ~0.19
+    assert scores["cpu1"]["AP"] == scores["cpu"]["AP"] and vs["cpu1"]["AP"] == 0 and vs["cpu1"]["same_detections"] == 16
+    for a in ("ort", "ort-basic"):
+        d = vs[a]
+        assert abs(scores[a]["AP"] - scores["cpu"]["AP"]) < 0.02 and 0 <= d["same_detections"] <= 16
+        assert abs(d["AP"] - (scores[a]["AP"] - scores["cpu"]["AP"])) < 2e-4
+        assert d["interval"][0] <= d["interval"][1] and d["tie"] == (d["interval"][0] <= 0 <= d["interval"][1])
+    assert row["spread"] == round(max(scores[a]["AP"] for a in ("cpu", "cpu1", "ort")) - min(
+        scores[a]["AP"] for a in ("cpu", "cpu1", "ort")), 4)
+    assert {p.name for p in (out / "qs-images").iterdir()} == {f"q.{a}.npz" for a in scores}
     md = (out / "qs.md").read_text()
-    assert "| q.pt |" in md and "4: " in md and "| q.pt | float64 |" in md and "| q.pt | unoptimized graph |" in md
+    assert "## q.pt" in md and "| PyTorch, CPU, 1 thread |" in md and "| ONNX Runtime, basic |" in md
     with pytest.raises(QATError, match="is a floating-point checkpoint; pass a quantized one"):
         _main(yolov9_tree, "ckpt_vs_graph", "--weights", str(QS), *common[:-4], "--out", str(tmp_path / "fp"))
     assert not (tmp_path / "fp").exists()
+    with pytest.raises(QATError, match="was scored at imgsz 64, batch_size 8, num_image None; score at the same"):
+        _main(yolov9_tree, "ckpt_vs_graph", "--weights", str(pt), "--arithmetics", "cpu", *common[:2], "--imgsz", "96",
+              *common[4:])
 
 
 def test_cli_results_renders_a_budget_set(tmp_path):
@@ -375,14 +386,15 @@ def test_cli_results_renders_a_budget_set(tmp_path):
 
 
 def test_ptq_spread_groups_the_committed_runs(tmp_path):
-    """benchmarks/ptq_spread.py on the qat.py reports it was written for (benchmarks/results/ptq-spread-h200/logs):
-    runs grouped by model and setting, a run whose calibration equals another's counted once, the table and plot
-    written; a file that is not a quantize report refused in one sentence."""
+    """benchmarks/diagnose.py ptq-spread on the qat.py reports it was written for
+    (benchmarks/results/ptq-spread-h200/logs): runs grouped by model and setting, a run whose calibration equals
+    another's counted once, the table and plot written; a file that is not a quantize report refused in one
+    sentence."""
     import json
     import subprocess
     import sys
 
-    bench = _module("ptq_spread")
+    bench = _module("diagnose").subcommand("ptq-spread")
     logs = REPO / "benchmarks" / "results" / "ptq-spread-h200" / "logs"
     result = bench.main(bench.get_args_parser().parse_args([str(logs), "--out", str(tmp_path), "--label", "s"]))
     t = result["yolov9-t-coco"]
@@ -400,7 +412,44 @@ def test_ptq_spread_groups_the_committed_runs(tmp_path):
     bad = tmp_path / "bad" / "report.json"
     bad.parent.mkdir()
     bad.write_text("{}")
-    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "ptq_spread.py"), str(bad), "--out",
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "diagnose.py"), "ptq-spread", str(bad), "--out",
                         str(tmp_path / "x")], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.startswith("error: ") and "is not a qat.py report.json" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "x").exists()
+
+
+def test_cpu_deploy_shared_checks_its_files_and_the_tree_before_any_work(yolov9_tree, tmp_path):
+    """benchmarks/cpu_deploy.py --shared (docs/CPU.md's tables in one command): a shared folder without the models
+    and data, or a tree without ELAN1 (yolov9-t's), is refused in one sentence, before anything is written."""
+    from conftest import SHARED, tree_has
+    from utils.qat.core.errors import QATError
+    out = tmp_path / "out"
+    with pytest.raises(QATError, match="gelan-c-coco334.pt not found; pass the shared/ folder") as e:
+        _main(yolov9_tree, "cpu_deploy", "--shared", str(tmp_path / "none"), "--out", str(out))
+    assert "\n" not in str(e.value) and not out.exists()
+    if (SHARED / "datasets" / "coco334").is_dir() and not tree_has(yolov9_tree, "ELAN1"):
+        with pytest.raises(QATError, match="this YOLOv9 tree has no ELAN1, which yolov9-t needs"):
+            _main(yolov9_tree, "cpu_deploy", "--shared", str(SHARED), "--out", str(out))
+        assert not out.exists()
+
+
+def test_portable_writes_a_machines_paths_from_their_folders(tmp_path, monkeypatch):
+    """benchmarks/parts/portable.py: a path under a known folder is written from its placeholder, the longest folder
+    first (a tree copied into the work folder is the tree), whole path components only, after a terminal colour
+    code too; a command drops its interpreter and runs as python3."""
+    import sys
+    import tempfile
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    from parts import portable
+    monkeypatch.setenv("YOLOV9_QAT_SHARED", str(tmp_path / "shared"))
+    work, tree = tmp_path / "work", tmp_path / "work" / "yolov9"
+    text = (f"--weights {tmp_path}/shared/weights/t.pt --project {work}/runs in {tree}/data/hyps "
+            f"{work}x/a \x1b[1m{work}/b\x1b[0m {REPO}/weights/q.pt")
+    beside = (work.parent / "workx").relative_to(Path(tempfile.gettempdir()).resolve())  # not the work folder
+    assert portable.text(text, work=work, tree=tree) == (
+        f"--weights $SHARED/weights/t.pt --project $WORK/runs in $YOLOV9_DIR/data/hyps $TMPDIR/{beside}/a "
+        "\x1b[1m$WORK/b\x1b[0m $REPO/weights/q.pt")
+    assert portable.command(["/opt/venv/bin/python3", "qat.py", "--weights", f"{REPO}/weights/q.pt"]) == \
+        "python3 qat.py --weights $REPO/weights/q.pt"
+    monkeypatch.setattr(sys, "argv", [str(REPO / "benchmarks" / "peers.py"), "--out", str(work)])
+    assert portable.command(work=work) == "python3 $REPO/benchmarks/peers.py --out $WORK"

@@ -104,9 +104,9 @@ def test_holdout_never_takes_evaluation_images(yolov9_tree, shapes40, tmp_path):
 
 
 def test_holdout_keeps_linked_images_linked(yolov9_tree, shapes40, tmp_path):
-    """A dataset of links (as benchmarks/custom_model.py makes: a class subset whose labels sit beside the links)
-    is split by the links' paths: upstream finds a label from its image's path, and the targets' labels are another
-    dataset's."""
+    """A dataset of links (as benchmarks/cli_results.py custom-model makes: a class subset whose labels sit beside
+    the links) is split by the links' paths: upstream finds a label from its image's path, and the targets' labels
+    are another dataset's."""
     from utils.qat.evaluation.data import holdout_images
     source = shapes40.parent
     for sub in ("images", "labels"):

@@ -5,7 +5,7 @@ else runs for real with Polygraphy: the ONNX Runtime reference run (``polygraphy
 --save-outputs``) on the embedded model and real shapes images, and the comparison itself, with
 ``--onnxrt`` standing in for ``--trt`` in the second command (same data loader, tolerances,
 ``--load-outputs``/``--save-outputs`` and verdict): the FP16+INT8 graph (a legitimate difference) must
-MATCH the FP32+INT8 one, a graph fed half-bright images must not.
+MATCH the FP32+INT8 one, a graph fed images a tenth as bright must not.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def _compare(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def graphs(yolov9_tree, tmp_path_factory):
     """The embedded model quantized (PTQ max, 2 batches of noise-free shapes) and exported FP32+INT8 and
-    FP16+INT8 (--half, AutoCast), dynamic, 256 px; plus a broken copy of the FP32 graph (input halved)."""
+    FP16+INT8 (--half, AutoCast), dynamic, 256 px; plus a broken copy of the FP32 graph (input a tenth as bright)."""
     import torch
 
     from utils.qat.quantize.model_quant import QuantConfig, quantize
@@ -57,10 +57,10 @@ def graphs(yolov9_tree, tmp_path_factory):
         export_onnx(qmodel, paths[name], imgsz=256, dynamic=True, half=half)
     m = onnx.load(str(paths["fp32"]))
     first = [n for n in m.graph.node if "images" in n.input]
-    m.graph.node.insert(0, helper.make_node("Mul", ["images", "half_const"], ["images_halved"], name="/broken/Mul"))
-    m.graph.initializer.append(helper.make_tensor("half_const", TensorProto.FLOAT, [], [0.5]))
+    m.graph.node.insert(0, helper.make_node("Mul", ["images", "dim_const"], ["images_dimmed"], name="/broken/Mul"))
+    m.graph.initializer.append(helper.make_tensor("dim_const", TensorProto.FLOAT, [], [0.1]))
     for n in first:
-        n.input[:] = ["images_halved" if i == "images" else i for i in n.input]
+        n.input[:] = ["images_dimmed" if i == "images" else i for i in n.input]
     paths["broken"] = out / "qs-broken.onnx"
     onnx.save(m, str(paths["broken"]))
     return paths
@@ -117,7 +117,7 @@ def test_dry_run_and_clear_refusals(tmp_path, graphs, shapes):
 @polygraphy_missing
 def test_onnx_runtime_side_and_verdicts(tmp_path, graphs, shapes):
     """The reference run for real, then the TensorRT command with --onnxrt in place of --trt (TensorRT cannot run
-    here): the FP16+INT8 graph matches, the graph fed half-bright images does not."""
+    here): the FP16+INT8 graph matches, the graph fed images a tenth as bright does not."""
     from utils.qat.trt.compare import commands, report
     images = shapes.parent / "images" / "val"
     work = tmp_path / "w"

@@ -38,14 +38,14 @@ def _one_process(argv: list[str]) -> Path:
         torch.set_num_threads(threads)
 
 
-# ---- qat.py quantize on 2 processes vs 1, through benchmarks/ddp.py (max calibration, 1 QAT epoch) ----------
+# ---- qat.py quantize on 2 processes vs 1, through benchmarks/cost.py --mode ddp (max calibration, 1 QAT epoch) ---
 
 @pytest.fixture(scope="module")
 def bench(yolov9_tree, shapes, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    r = run_tool(yolov9_tree, str(REPO / "benchmarks" / "ddp.py"), "--cpu", "--weights", str(QS), "--data", str(shapes),
-                 "--imgsz", "64", "--batch-size", "8", "--epochs", "1", "--iters", "2", "--calib-batches", "2",
-                 "--workers", "2", "--out", str(out), timeout=2 * TIMEOUT)
+    r = run_tool(yolov9_tree, str(REPO / "benchmarks" / "cost.py"), "--mode", "ddp", "--device", "cpu", "--weights",
+                 str(QS), "--data", str(shapes), "--imgsz", "64", "--batch-size", "8", "--epochs", "1", "--iters", "2",
+                 "--calib-batches", "2", "--workers", "2", "--out", str(out), timeout=2 * TIMEOUT)
     assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
     return out, r
 
@@ -79,17 +79,19 @@ def two_hosts(yolov9_tree, shapes, bench, tmp_path_factory):
     import importlib.util
     import subprocess
     import sys
-    spec = importlib.util.spec_from_file_location("ddp_bench", REPO / "benchmarks" / "ddp.py")
-    ddp_bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ddp_bench)
+    spec = importlib.util.spec_from_file_location("cost_bench", REPO / "benchmarks" / "cost.py")
+    cost = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cost)
+    from parts import ddp  # benchmarks/parts/, on sys.path once cost.py is loaded
     out, _ = bench
-    settings = json.loads((out / "ddp.json").read_text())["settings"]
-    args = ddp_bench.get_args_parser().parse_args(
-        ["--weights", settings["weights"], "--data", settings["data"], "--out", str(out), "--cpu"]
+    settings = json.loads((out / "ddp.json").read_text())["settings"]  # its paths are written as $REPO, $TMPDIR
+    args = cost.get_args_parser().parse_args(
+        ["--mode", "ddp", "--weights", str(QS), "--data", str(shapes), "--out", str(out), "--device", "cpu"]
         + [x for k in ("imgsz", "batch_size", "epochs", "iters", "calib_method", "calib_batches")
            for x in (f"--{k.replace('_', '-')}", str(settings[k]))] + ["--workers", "2"])
+    cost.check(args)
     project = tmp_path_factory.mktemp("hosts")
-    command = ddp_bench.qat_command(args, 2, project / "runs")
+    command = ddp.qat_command(args, 2, project / "runs")
     argv = command[command.index("qat.py"):]  # the run's own arguments, after torchrun's
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "YOLOV9_QAT_AMAX_DUMP": str(project / "amax")}
@@ -142,7 +144,11 @@ def test_max_calibration_equals_one_process(bench):
 @pytest.mark.ddp
 def test_benchmark_report(bench):
     out, r = bench
-    result = json.loads((out / "ddp.json").read_text())
+    text = (out / "ddp.json").read_text()
+    result = json.loads(text)
+    assert result["command"].startswith("python3 $REPO/benchmarks/cost.py --mode ddp --device cpu --weights "
+                                        "$REPO/weights/gelan-qs-shapes.pt ")
+    assert str(REPO) not in text and str(out) not in text  # as anyone can run it: no path of this machine
     assert result["amax_vs_1proc"]["max_abs"] == 0 and result["amax_across_ranks"]["max_abs"] == 0
     assert result["run_2"]["world_size"] == 2 and result["speedup"] > 0
     assert set(result["qat_seconds_per_epoch"]) == {"1", "2"}
@@ -356,6 +362,8 @@ def test_budget_on_two_processes(yolov9_tree, shapes, tmp_path):
     budget = report["budget"]
     assert report["world_size"] == 2 and budget["holdout"]["holdout_images"] == 6
     steps = [s["step"] for s in budget["steps"]]
-    assert steps[:4] == [1, 2, 2, 2] and steps[4:] == [4, 4], budget["steps"]  # here every step runs, fine-tuning too
+    # here every step runs, fine-tuning too: two epochs at the command's rate, and two more at a third of it where
+    # the first rate lowered no bound (budget.RATES)
+    assert steps[:4] == [1, 2, 2, 2] and steps[4:] in ([4, 4], [4, 4, 4, 4]), budget["steps"]
     assert r.stdout.count("budget step 1 (calibration)") == 1  # rank 0 alone prints
     assert (tmp_path / "budget" / "weights" / "qat_best_gelan-qs-shapes.pt").is_file()

@@ -737,8 +737,9 @@ def test_simplify_failure_keeps_unsimplified(yolov9_tree, work, monkeypatch, cap
 
 
 @pytest.mark.slow
-def test_check_findings_fail_after_writing(qat_ckpt, work, monkeypatch, capsys):
-    """--check (default for quantized checkpoints): lint findings are printed, the file is kept, exit non-zero."""
+def test_check_findings_keep_no_graph(qat_ckpt, work, monkeypatch, capsys):
+    """--check (default for quantized checkpoints): lint findings are printed, no graph is kept, exit non-zero, and
+    the sentence names the finding and its node; --no-check keeps the graph."""
     import export_qat
     from utils.qat.onnx import onnx_lint
     from utils.qat.core.errors import QATError
@@ -754,8 +755,13 @@ def test_check_findings_fail_after_writing(qat_ckpt, work, monkeypatch, capsys):
     weights.parent.mkdir()
     weights.symlink_to(qat_ckpt)
     args = export_qat.get_args_parser().parse_args(["--weights", str(weights), "--imgsz", "64"])
-    with pytest.raises(QATError, match="lint found 1 TensorRT fusion blocker"):
+    with pytest.raises(QATError, match="lint found 1 TensorRT fusion blocker in the graph exported from .*qat.pt "
+                                       r"\(concat_scale_mismatch at /model/model.11/Concat; all listed above\), so no "
+                                       "graph was kept; .* pass --no-check to keep the graph as it is"):
         export_qat.main(args)
     out = capsys.readouterr().out
     assert "concat_scale_mismatch" in out and "/model/model.11/Concat" in out
+    assert not weights.with_suffix(".onnx").exists() and not _no_partial_files(weights.parent)
+    export_qat.main(export_qat.get_args_parser().parse_args(["--weights", str(weights), "--imgsz", "64",
+                                                             "--no-check"]))
     assert weights.with_suffix(".onnx").is_file()

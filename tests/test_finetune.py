@@ -183,6 +183,25 @@ def test_seed_orders_the_training_images(yolov9_tree, small_data):
     assert first == again and first != other
 
 
+def test_a_seeded_loader_starts_its_workers_once(yolov9_tree, small_data, monkeypatch):
+    """The seeded loader is upstream's made again: upstream's own is made without workers (its workers would start at
+    once and augment batches nobody takes), the loader returned has the workers upstream gives it."""
+    import os
+
+    import utils.dataloaders as upstream
+    from utils.qat.evaluation.data import dataloader, load_data_yaml
+    made, real = [], upstream.create_dataloader
+
+    def counted(*args, **kwargs):
+        made.append(kwargs["workers"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(upstream, "create_dataloader", counted)
+    loader, _ = dataloader(load_data_yaml(small_data, splits=("train", "val")), "train", 64, 2, 32, workers=2,
+                           rect=False, shuffle=True, seed=1)
+    assert made == [0] and loader.num_workers == min(2, os.cpu_count() or 1)
+
+
 @pytest.mark.slow
 def test_iters_are_steps_and_a_short_set_is_read_again(qs, qs_calibrated, images, capsys):
     from utils.qat.quantize.model_quant import fuse

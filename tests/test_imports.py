@@ -22,7 +22,7 @@ LAYERS = {
 }
 TOP = 7
 #: Where the checked modules live (the overlay's Python files and what runs them).
-SOURCES = ("utils/qat/**/*.py", "*.py", "segment/*.py", "scripts/*.py", "benchmarks/*.py")
+SOURCES = ("utils/qat/**/*.py", "*.py", "segment/*.py", "scripts/*.py", "benchmarks/*.py", "benchmarks/parts/*.py")
 LIBRARY = "utils.qat"
 
 

@@ -264,7 +264,8 @@ def test_every_command_refuses_every_payload(yolov9_tree, payloads, markers, sma
 
 
 def test_the_flag_is_on_every_command_that_reads_weights(yolov9_tree):
-    for command, (tool, line) in {**COMMANDS, "benchmarks/ddp.py": ("ddp", "--weights W --data D --out o")}.items():
+    ddp = {"benchmarks/cost.py --mode ddp": ("cost", "--mode ddp --weights W --data D --out o")}
+    for command, (tool, line) in {**COMMANDS, **ddp}.items():
         module = cli_module(yolov9_tree, tool) if tool.endswith(".py") else _benchmark(tool)
         assert module.get_args_parser().parse_args([*line.split(), "--trust-weights"]).trust_weights, command
 

@@ -25,7 +25,6 @@ from utils.qat.core.device import exact_int8_dot
 from utils.qat.core.errors import QATError
 from utils.qat.evaluation.openvino_core import shared_core
 from utils.qat.evaluation.openvino_probe import openvino_int8_exact
-from utils.qat.onnx.avx2 import AVX2_ENCODING, ENCODING_KEY
 
 if TYPE_CHECKING:
     from os import PathLike
@@ -53,11 +52,18 @@ class Backend(Protocol):
 
 class TorchBackend:
     """A PyTorch model (FP or fake-quant). ``task="segment"`` returns ``(pred, protos)``. A fake-quant
-    model runs in full float32 (``utils.qat.quantize.qdq.full_fp32``: no TF32), as the runtimes compute it."""
+    model is evaluated as INT8 runtimes compute it: a copy whose quantized convolutions sum integer codes exactly
+    (``utils.qat.quantize.integer_conv``), so that its score depends neither on the device's kernels nor on the thread
+    count, in full float32 elsewhere (``utils.qat.quantize.qdq.full_fp32``: no TF32)."""
 
     runtime = "PyTorch"
 
     def __init__(self, model: nn.Module, device: torch.device, task: str = "detect"):
+        qnn = sys.modules.get("modelopt.torch.quantization.nn")  # a fake-quant model has imported it
+        self.quantized = qnn is not None and any(isinstance(m, qnn.TensorQuantizer) for m in model.modules())
+        if self.quantized:
+            from utils.qat.quantize.integer_conv import integer_form
+            model = integer_form(model)
         self.model = model.to(device).eval()
         self.device = device
         self.stride = yolov9.model_stride(model)
@@ -66,8 +72,6 @@ class TorchBackend:
         self.imgsz = None
         self.end2end = False
         self.task = task
-        qnn = sys.modules.get("modelopt.torch.quantization.nn")  # a fake-quant model has imported it
-        self.quantized = qnn is not None and any(isinstance(m, qnn.TensorQuantizer) for m in model.modules())
 
     @torch.no_grad()
     def __call__(self, images: torch.Tensor):
@@ -250,7 +254,9 @@ class OpenVINOBackend(_GraphBackend):
         framework = model.get_rt_info()["framework"] if model.has_rt_info("framework") else {}
         metadata = {k: model.get_rt_info(["framework", k]).astype(str) for k in framework}
         self.quantized = any(op.get_type_name() == "FakeQuantize" for op in model.get_ops())
-        # a graph re-encoded for these CPUs (export_qat.py --openvino-avx2) runs on them as written
+        # a graph re-encoded for these CPUs (export_qat.py --openvino-avx2) runs on them as written (imported here: onnx
+        # takes a second to import, and a run that scores only in PyTorch never needs it)
+        from utils.qat.onnx.avx2 import AVX2_ENCODING, ENCODING_KEY
         self.inexact = (self.quantized and metadata.get(ENCODING_KEY) != AVX2_ENCODING
                         and not openvino_int8_exact())
         if self.inexact:

@@ -161,9 +161,11 @@ def dataloader(data: dict, split: str, imgsz: int, batch_size: int, stride: int,
     of the workers' augmentation (``_reseeded``)."""
     grouped = group is not None and rect and not shuffle and local_rank < 0
     workers = min(workers, os.cpu_count() or 1)
+    # a loader made again (grouped, reseeded) is made first without workers: upstream's starts its workers at once,
+    # and they would read and augment batches nobody takes
     kwargs = dict(single_cls=False, hyp=hyp, augment=hyp is not None, pad=0.5 if rect else 0.0, rect=rect,
-                  workers=0 if grouped else workers, shuffle=shuffle, prefix=prefix or f"{split}: ",
-                  rank=local_rank)
+                  workers=0 if grouped or seed is not None else workers, shuffle=shuffle,
+                  prefix=prefix or f"{split}: ", rank=local_rank)
     shapes_batch = group if grouped else batch_size
     with _scan_reported_once(), label_cache.guarded():
         if masks:
@@ -178,7 +180,15 @@ def dataloader(data: dict, split: str, imgsz: int, batch_size: int, stride: int,
         loader = type(loader)(dataset, batch_sampler=GroupedBatches(len(dataset), group, batch_size),
                               num_workers=readers, pin_memory=loader.pin_memory, collate_fn=loader.collate_fn,
                               worker_init_fn=loader.worker_init_fn, generator=loader.generator)
-    return (loader if seed is None else _reseeded(loader, seed, local_rank)), dataset
+    return (loader if seed is None else _reseeded(loader, seed, _upstream_workers(workers, loader.batch_size),
+                                                  local_rank)), dataset
+
+
+def _upstream_workers(workers: int, batch_size: int) -> int:
+    """The workers upstream's ``create_dataloader`` gives a loader of ``batch_size`` (its own formula: the CPUs
+    shared by the GPUs, none for batches of one)."""
+    import torch
+    return min((os.cpu_count() or 1) // max(torch.cuda.device_count(), 1), batch_size if batch_size > 1 else 0, workers)
 
 
 class GroupedBatches:
@@ -226,9 +236,9 @@ def _scan_bar(iterable=None, desc: str | None = None, total: int | None = None, 
     return progress(iterable, desc=desc, total=total, **kwargs)
 
 
-def _reseeded(loader, seed: int, local_rank: int = -1):
-    """``loader`` again, its shuffle and its workers' seeds drawn from ``seed``. Upstream seeds every loader's
-    generator with one constant, so the order of the images and every worker's augmentation repeat whatever
+def _reseeded(loader, seed: int, workers: int, local_rank: int = -1):
+    """``loader`` again, with ``workers``, its shuffle and its workers' seeds drawn from ``seed``. Upstream seeds every
+    loader's generator with one constant, so the order of the images and every worker's augmentation repeat whatever
     the seed. A distributed sampler takes the seed itself (its permutation is shared by the ranks); the
     workers' streams differ per rank, as upstream's do: per global rank, so that the processes of several hosts
     (each with its local ranks 0, 1, ...) draw streams of their own, and a launch repeats its single-host run."""
@@ -241,7 +251,7 @@ def _reseeded(loader, seed: int, local_rank: int = -1):
     if sampler is not None:
         sampler.seed = seed
     return type(loader)(loader.dataset, batch_size=loader.batch_size, shuffle=isinstance(loader.sampler, RandomSampler),
-                        num_workers=loader.num_workers, sampler=sampler, pin_memory=loader.pin_memory,
+                        num_workers=workers, sampler=sampler, pin_memory=loader.pin_memory,
                         collate_fn=loader.collate_fn, worker_init_fn=loader.worker_init_fn, generator=generator)
 
 

@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from utils.qat import __version__
 from utils.qat.core import provenance, yolov9
-from utils.qat.model import bounds, safe_load, structure
+from utils.qat.model import bounds, numbers, safe_load, structure
 from utils.qat.core.atomic import write_bytes
 from utils.qat.core.errors import QATError
 
@@ -62,11 +62,15 @@ def load_fp(path: str | os.PathLike, task: str = "detect", ckpt: dict | None = N
     ``ckpt``: the checkpoint if it was already read (saves reading the file twice); ``trust``: as :func:`read`."""
     ckpt = read(path, trust) if ckpt is None else ckpt
     if is_quantized(ckpt):
+        record = ckpt.get("provenance")
+        made = record.get("weights") if isinstance(record, dict) else None
+        original = f" it was made from ({made}, as it records)" if isinstance(made, str) and made else ""
         raise QATError(f"{path} is a quantized (yolov9-qat) checkpoint but this step needs the floating-point "
-                       "model; pass the original weights (e.g. yolov9-c-converted.pt).")
+                       f"model; pass the original weights{original or ' (e.g. yolov9-c-converted.pt)'}.")
     check_task(ckpt, path, task)
     model = (ckpt.get("ema") or ckpt["model"]).float().eval()
     bounds.check_geometry(model, str(path))
+    numbers.check_fp(model, str(path))
     if not hasattr(model, "names") or not model.names:
         model.names = ckpt.get("names") or {i: str(i) for i in range(int(model.nc))}
     if isinstance(model.names, (list, tuple)):
@@ -143,13 +147,17 @@ def load_quantized(path: str | os.PathLike, task: str = "detect", ckpt: dict | N
     from utils.qat.quantize.qdq import use_qdq_rounding
     ckpt = read(path, trust) if ckpt is None else ckpt
     if not is_quantized(ckpt):
-        raise QATError(f"{path} is a floating-point checkpoint, not a quantized one; run `qat.py quantize` "
-                       "first, or pass --allow-fp to evaluate it as it is.")
+        script = numbers.SCRIPTS.get(task, "qat.py")
+        raise QATError(f"{path} is a floating-point checkpoint, not a quantized one; quantize it with `{script} "
+                       f"quantize` first, or evaluate it as it is with `{script} eval --allow-fp`.")
     check_task(ckpt, path, task)
     code = None if trust else yolov9.code_in_cfg(ckpt.get("yaml"))
     if code:
         raise QATError(f"{path} was not loaded: its model yaml has {code}, which building the model would run as "
                        f"Python code; if you trust the file, pass --trust-weights to build it anyway.")
+    # NaN, inf, a scale that is not positive: before anything is built (the stored tensors themselves were checked
+    # against their storage as the file was read: safe_load.check_spans)
+    numbers.check_quantized({**ckpt, "state_dict": stored_state(ckpt, str(path))}, str(path))
     model = rebuild(ckpt, str(path))
     bounds.check_geometry(model, str(path))  # the yaml's own arguments (a Conv's padding) size activations too
     bounds.check_modelopt_state(ckpt.get("modelopt_state"), ckpt["state_dict"], str(path))

@@ -384,7 +384,9 @@ def load_training_model(path: str | Path, trust: bool = False) -> nn.Module:
     if not isinstance(getattr(model, "model", None), nn.Sequential):
         raise QATError(f"{path} holds no YOLOv9 layer list; pass a checkpoint written by YOLOv9 train_dual.py.")
     from utils.qat.model.bounds import check_geometry
+    from utils.qat.model.numbers import check_fp
     check_geometry(model, str(path))
+    check_fp(model, str(path))
     return model
 
 

@@ -690,8 +690,9 @@ def check_records(path: Path) -> None:
         raise QATError(f"{path} was not loaded: its record {packed} is compressed, which torch.save never does (it "
                        f"could unpack to more than the file holds); {TRUST_HINT}.")
     size = os.path.getsize(path)
-    if sum(i.file_size for i in infos) > size:
-        raise QATError(f"{path} was not loaded: its records add up to more bytes than the file has; {TRUST_HINT}.")
+    if sum(i.file_size for i in infos) > size:  # no reader gets them out, the full pickle's neither
+        raise QATError(f"{path} was not loaded: its records add up to more bytes than the file has, so the file is "
+                       f"damaged (or made to exhaust memory); copy or download it again.")
 
 
 def tensors_in(obj: Any, seen: set[int] | None = None):
@@ -759,4 +760,19 @@ def load(path: str | os.PathLike, trust: bool = False) -> Any:
     except QATError:
         raise
     except Exception as e:  # pickle, zip and torch errors all mean the same thing to the user
+        if _truncated_zip(path):
+            raise QATError(f"{path} was not loaded: it starts as a PyTorch checkpoint (a zip archive) but its archive "
+                           f"is incomplete, so the file is damaged (an interrupted copy or download, a full disk "
+                           f"while saving); copy or download it again.") from e
         raise QATError(f"{path} is not a PyTorch checkpoint ({type(e).__name__}); pass a YOLOv9 .pt file.") from e
+
+
+def _truncated_zip(path: Path) -> bool:
+    """``path`` begins as a zip archive (torch.save's format) that zipfile cannot open: cut short, or damaged."""
+    import zipfile
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError:
+        return False
+    return head == b"PK\x03\x04" and not zipfile.is_zipfile(path)

@@ -385,8 +385,9 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, *, imgsz: int | Seque
                 raise
             except Exception as e:  # the exporter raises many types (unsupported opset / op, tracing errors)
                 why = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+                other = "try --opset 17" if opset != 17 else "another opset (--opset 18-20) may write it"
                 raise QATError(f"torch.onnx.export failed at opset {opset} ({type(e).__name__}: {why}); the "
-                               f"TorchScript exporter supports opsets 13-20 here: try --opset 17.") from e
+                               f"TorchScript exporter supports opsets 13-20 here: {other}.") from e
             onnx_model = onnx.load(str(tmp))
             if len(wrapper.shapes) != len(output_names):
                 raise QATError(f"the model produced {len(wrapper.shapes)} outputs but {len(output_names)} names were "

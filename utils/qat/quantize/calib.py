@@ -40,7 +40,7 @@ from utils.qat.quantize.head import recording_head_inputs, search_head_amax
 from utils.qat.quantize.image_hist import ImageHistograms
 from utils.qat.quantize.mse import group_mse_amax, mse_amax
 from utils.qat.quantize.state import amax_state, amax_vector, collecting, enabled_quantizers, load_amax, quantizers_off
-from utils.qat.core import distributed
+from utils.qat.core import distributed, timing
 from utils.qat.core.errors import QATError
 from utils.qat.core.progress import progress
 
@@ -114,9 +114,12 @@ def _calibrate(model: nn.Module, batches: Iterable[torch.Tensor], config: QuantC
     # the calibrators keep their histograms for tie="mse"
     groups = rules.scale_groups(model, example, shared_pool=config.pool_scale == "shared")
     rules.tie_scales(model, groups, _group_amax(model) if config.tie == "mse" else None)
-    search = search_head_amax(model, kept, groups, layers=config.search_layers,
-                              head=config.head_amax == "search", fp_inputs=fp_inputs,
-                              bounded=config.search_cost == "bounded") if config.searches else {}
+    search: dict = {}
+    if config.searches:
+        with timing.timed("amax search"):
+            search = search_head_amax(model, kept, groups, layers=config.search_layers,
+                                      head=config.head_amax == "search", fp_inputs=fp_inputs,
+                                      bounded=config.search_cost == "bounded")
     return groups, search
 
 

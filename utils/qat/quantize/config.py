@@ -26,8 +26,14 @@ HEAD_AMAX = ("calibrated", "search")  # the detect head's input scales: as calib
 DEFAULT_HEAD_AMAX = "search"
 TIES = ("max", "mse")  # one amax for a shared-scale group: its members' largest, or the group's least squared error
 DEFAULT_TIE = "max"
-POOL_SCALES = ("shared", "own")  # an average pool's output: on its input's scale (TensorRT's pooling), or its own
-DEFAULT_POOL_SCALE = "shared"
+# An average pool's output (AConv, ADown): on its input's scale, or calibrated on its own. ``own`` is the default: with
+# the shared scale a quarter of the averages of INT8 values land exactly on a rounding tie, which each runtime (PyTorch
+# on a GPU or a CPU, at any thread count, ONNX Runtime at each optimization level, OpenVINO, TensorRT) breaks its own
+# way, so one model scored 0.4019-0.4072 on four of them (docs/RESULTS.md "One model, one score"). TensorRT runs
+# DQ -> AveragePool -> Q as one INT8 pooling with an input and an output scale either way (docs/TENSORRT.md).
+POOL_SCALES = ("shared", "own")
+DEFAULT_POOL_SCALE = "own"
+LEGACY_POOL_SCALE = "shared"  # checkpoints written before the key existed were all made with the shared scale
 DEFAULT_HEAD_BATCHES = 4  # calibration batches the head search scores each candidate on
 
 # ``--search-layers auto`` (the default): detection models calibrated on a GPU search their first layers' scales and
@@ -187,7 +193,7 @@ class QuantInfo:
                              head_amax=d.get("head_amax", "calibrated"),  # older checkpoints: no search
                              tie=d.get("tie", "max"), head_batches=d.get("head_batches", DEFAULT_HEAD_BATCHES),
                              search_layers=tuple(d.get("search_layers", ())),
-                             pool_scale=d.get("pool_scale", DEFAULT_POOL_SCALE), sample=d.get("calib_sample", 0),
+                             pool_scale=d.get("pool_scale", LEGACY_POOL_SCALE), sample=d.get("calib_sample", 0),
                              search_cost=d.get("search_cost", "full"))
         return cls(config, fp_patterns=list(d.get("fp_patterns", ())),
                    scale_groups=[list(g) for g in d.get("scale_groups", ())], head_search=dict(d.get("head_search", {})))

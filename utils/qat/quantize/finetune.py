@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from utils.qat.quantize import objectives
 from utils.qat.quantize.cuda_graph import StepGraph
-from utils.qat.core import distributed
+from utils.qat.core import distributed, timing
 from utils.qat.core.errors import QATError
 from utils.qat.core.progress import progress
 
@@ -69,6 +69,8 @@ class EpochResult:
     steps: int = 0
     amax: dict[str, float] = field(default_factory=dict)  # learned amax: how far it moved from calibration
     graph_steps: int = 0  # steps whose forward and backward ran as a CUDA graph
+    # why the epoch ended before its ``iters`` steps (a loss that was not finite: fine-tuning ends with it), else None
+    stopped: str | None = None
 
 
 def supervised_layers(model: nn.Module, stride: int) -> list[int]:
@@ -173,6 +175,12 @@ def finetune(model: nn.Module, teacher: nn.Module, batches: Callable[[], Iterabl
     every rank after ``on_epoch_end``, with the evaluated weights in place; True ends fine-tuning there (the
     accuracy budget stops when its held-out score stops improving: ``utils/qat/run/budget.py``).
 
+    A loss that is not finite ends the epoch at once, without an optimisation step on it, and ends fine-tuning after
+    that epoch's ``on_epoch_end`` (its ``EpochResult.stopped`` says so; the weights are those of the last finite
+    step). Where a ``GradScaler`` runs (AMP on CUDA) it already skips the step of a non-finite gradient, and the loss
+    is read only with the progress bar's (every :data:`POSTFIX_EVERY` steps): the epoch ends there. In a multi-GPU
+    run the ranks decide together.
+
     In a multi-GPU run (process group joined) every rank calls this with its own shard of each global batch
     and its own copy of the teacher. The student is wrapped in DistributedDataParallel, which averages the
     ranks' gradients: each rank's loss is a mean over its equal share of the batch, so a step is the
@@ -189,24 +197,34 @@ def finetune(model: nn.Module, teacher: nn.Module, batches: Callable[[], Iterabl
             step.train()
             start, steps, replays = time.time(), 0, step.graph_steps
             sums: dict[str, torch.Tensor] = {}  # summed on the device: reading a loss each step would wait for the GPU
+            stopped = None
             bar = progress(_steps(batches, config.iters, announce=epoch == 0), total=config.iters,
                            desc=f"QAT epoch {epoch + 1}/{config.epochs}")
             for batch in bar:
                 values = step(batch)
+                if step.not_finite:  # no step was taken on it
+                    stopped = f"the loss was not finite at step {steps + 1} of {config.iters}"
+                    break
                 for k, v in values.items():
                     sums[k] = sums[k] + v.detach() if k in sums else v.detach().clone()
                 steps += 1
                 if steps % POSTFIX_EVERY == 0 or steps == config.iters:
-                    bar.set_postfix(loss=f"{float(sum(sums.values())) / steps:.5f}")
+                    loss = float(sum(sums.values())) / steps
+                    if not step.guarded and _any_rank(not math.isfinite(loss)):
+                        stopped = f"the loss was not finite by step {steps} of {config.iters}"
+                        break
+                    bar.set_postfix(loss=f"{loss:.5f}")
                 if on_step is not None:
                     on_step(epoch * config.iters + steps - 1)
             totals = {k: float(v) for k, v in sums.items()}
             means = {k: round(distributed.all_reduce_mean(v / max(steps, 1)), 6) for k, v in totals.items()}
             learned = step.learned
-            result = EpochResult(epoch, distributed.all_reduce_mean(sum(totals.values()) / max(steps, 1)), time.time() - start,
+            loss = distributed.all_reduce_mean(sum(totals.values()) / steps) if steps else math.nan
+            result = EpochResult(epoch, loss, time.time() - start,
                                  terms=means, steps=steps, amax=learned.summary() if learned is not None else {},
-                                 graph_steps=step.graph_steps - replays)
+                                 graph_steps=step.graph_steps - replays, stopped=stopped)
             results.append(result)
+            timing.add(f"training epoch {epoch + 1}", result.seconds)
             model.eval()
             teacher.eval()
             with (step.ema.applied(model) if step.ema is not None else contextlib.nullcontext(),
@@ -214,7 +232,7 @@ def finetune(model: nn.Module, teacher: nn.Module, batches: Callable[[], Iterabl
                 if on_epoch_end is not None and distributed.is_main():
                     on_epoch_end(result)
                 distributed.barrier()
-                if until is not None and until():
+                if stopped is not None or (until is not None and until()):
                     break
     finally:
         step.close()
@@ -275,6 +293,9 @@ class QATStep:
         self.student = _distributed(model, device, every_parameter_used="features" not in self.terms or len(self.terms) > 1)
         self.ema = _EMA(model, config.ema, config.ema_ramp) if config.ema > 0 else None
         self.student_taps, self.teacher_taps = _Taps(model, self.tapped), _Taps(teacher, self.tapped)
+        # without a GradScaler (the CPU, or CUDA without AMP) nothing else would keep a step off a non-finite loss:
+        # each step's loss is checked before the optimiser steps (on the CPU it costs nothing)
+        self.guarded, self.not_finite = not self.scaler.is_enabled(), False
         self.graph: StepGraph | None = None
         if config.cuda_graph and device.type == "cuda" and not distributed.active() and self.task is None:
             self.graph = StepGraph(lambda images: self._forward_backward(images, None, None),
@@ -299,6 +320,10 @@ class QATStep:
         else:
             self.optimizer.zero_grad(set_to_none=True)
             values = self._forward_backward(images, targets, masks)
+        if self.guarded and _any_rank(not bool(torch.isfinite(sum(v.detach() for v in values.values())))):
+            self.not_finite = True  # no step: the weights stay those of the last finite one
+            self.optimizer.zero_grad(set_to_none=self.graph is None)
+            return values
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.schedule.step()
@@ -347,6 +372,11 @@ class QATStep:
             self.ema.copy_to(self.model)  # the model handed back is the averaged one, as evaluated
         if self.learned is not None:
             self.learned.release()
+
+
+def _any_rank(flag: bool) -> bool:
+    """``flag`` on any rank (a collective in a multi-GPU run, so that every rank takes the same branch)."""
+    return distributed.all_reduce_mean(float(flag)) > 0 if distributed.active() else flag
 
 
 EMA_RAMPS = {"fast": lambda n: (1 + n) / (10 + n), "uniform": lambda n: n / (n + 1)}

@@ -137,8 +137,10 @@ def fp_patterns(model: nn.Module, skip: Iterable[str | int]) -> list[str]:
         if item.lstrip("-").isdigit():
             i = int(item)
             if not 0 <= i < n_layers:
+                from utils.qat.core.yolov9 import task_of_model
+                script = "segment/qat_seg.py" if task_of_model(model) == "segment" else "qat.py"
                 raise QATError(f"--skip-layers {i} is not a layer of this model (it has layers 0..{n_layers - 1}); "
-                               "run `qat.py sensitive` to list the layers and their impact.")
+                               f"run `{script} sensitive` to list the layers and their impact.")
             patterns.append(f"model.{i}.")
         else:
             if not any(fnmatch.fnmatch(n, item) or fnmatch.fnmatch(n, f"{item}.*") for n in names):

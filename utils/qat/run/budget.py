@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
-from utils.qat.core import distributed
+from utils.qat.core import distributed, timing
 from utils.qat.core.errors import QATError
 from utils.qat.evaluation.data import holdout_split
 from utils.qat.evaluation.resample import PairedBootstrap
@@ -124,6 +124,9 @@ def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+BOUNDS = "budget bounds"  # the stage (report.json's stages) of the paired-bootstrap bounds the steps are judged by
+
+
 def _main_decides(decide: Callable[[], Any]) -> Any:
     """``decide()`` on rank 0 (it scores, so it runs there alone), its result on every rank."""
     return distributed.broadcast_object(decide() if distributed.is_main() else None)
@@ -155,7 +158,8 @@ class _Log:
         self._judged: tuple[Metrics, dict] | None = None
         self.paired = None  # rank 0: the draws over the held-out images and the FP model's AP on each
         if distributed.is_main() and self.bootstrapped:
-            self.paired = PairedBootstrap(heldout.last, level=budget.confidence)
+            with timing.timed(BOUNDS):
+                self.paired = PairedBootstrap(heldout.last, level=budget.confidence)
         self.summary: dict = {"max_drop": budget.max_drop, "min_int8": budget.min_int8,
                               "confidence": budget.confidence, "holdout": split,
                               "fp_holdout_AP": round(fp_holdout, 4), "steps": self.steps}
@@ -172,7 +176,8 @@ class _Log:
         assert last is not None
         if self._judged is None or self._judged[0] is not last:
             drop = self.fp - last.mAP50_95
-            bound = -self.paired(last).low if self.paired is not None else drop
+            with timing.timed(BOUNDS):
+                bound = -self.paired(last).low if self.paired is not None else drop
             self._judged = (last, {"drop": round(drop, 4), "drop_bound": round(bound, 4),
                                    "met": bound <= self.budget.max_drop + 1e-9})
         return self._judged[1]
@@ -189,7 +194,8 @@ class _Log:
         if not self.bootstrapped:
             gain = self.heldout.last.mAP50_95 - self.kept_metrics.mAP50_95
         else:
-            gain = PairedBootstrap(self.kept_metrics, level=self.budget.confidence)(self.heldout.last).low
+            with timing.timed(BOUNDS):
+                gain = PairedBootstrap(self.kept_metrics, level=self.budget.confidence)(self.heldout.last).low
         return gain > 0, round(gain, 4)
 
     def met(self) -> bool:

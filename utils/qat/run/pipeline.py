@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from utils.qat.quantize.config import QuantConfig
-from utils.qat.core import distributed
+from utils.qat.core import distributed, timing
 from utils.qat.evaluation.data import dataloader, images_only, labelled
 
 if TYPE_CHECKING:
@@ -54,10 +54,11 @@ class Evaluation:
         from utils.qat.evaluation.backends import TorchBackend
         from utils.qat.evaluation.evaluate import evaluate
         start = time.time()
-        m = evaluate(TorchBackend(model, self.device, task=self.task), self.data, task=self.task, imgsz=self.imgsz,
-                 batch_size=self.batch_size, conf_thres=self.conf_thres, iou_thres=self.iou_thres,
-                 workers=self.workers, num_images=num_images, save_json=save_json, desc=desc,
-                 loaders=self.loaders)
+        with timing.timed(f"scoring {desc}"):
+            m = evaluate(TorchBackend(model, self.device, task=self.task), self.data, task=self.task, imgsz=self.imgsz,
+                         batch_size=self.batch_size, conf_thres=self.conf_thres, iou_thres=self.iou_thres,
+                         workers=self.workers, num_images=num_images, save_json=save_json, desc=desc,
+                         loaders=self.loaders)
         return m, time.time() - start
 
 
@@ -71,11 +72,12 @@ def ptq(fp_model: nn.Module, data: dict, config: QuantConfig = QuantConfig(), *,
     """
     from utils.qat.quantize.model_quant import quantize
     batches, num_batches = [], None
-    if distributed.is_main():
-        loader, _ = dataloader(data, "train", imgsz, batch_size, int(fp_model.stride.max()), workers=workers,
-                               rect=False, prefix="calibration: ")
-        batches, num_batches = images_only(loader, device), min(calib_batches, len(loader))
-    qmodel, info = quantize(fp_model, batches, config, device=device, num_batches=num_batches)
+    with timing.timed("calibration"):  # its amax search a stage of its own
+        if distributed.is_main():
+            loader, _ = dataloader(data, "train", imgsz, batch_size, int(fp_model.stride.max()), workers=workers,
+                                   rect=False, prefix="calibration: ")
+            batches, num_batches = images_only(loader, device), min(calib_batches, len(loader))
+        qmodel, info = quantize(fp_model, batches, config, device=device, num_batches=num_batches)
     qmodel.names = fp_model.names
     _dump_amax(qmodel)
     return qmodel, info
@@ -83,7 +85,7 @@ def ptq(fp_model: nn.Module, data: dict, config: QuantConfig = QuantConfig(), *,
 
 def _dump_amax(qmodel: nn.Module) -> None:
     """With YOLOV9_QAT_AMAX_DUMP=<folder>, every process writes its calibrated amax values (quantizer name ->
-    list) to <folder>/amax_rank<r>.json: how benchmarks/ddp.py compares ranks and runs. Off by default."""
+    list) to <folder>/amax_rank<r>.json: how benchmarks/cost.py --mode ddp compares ranks and runs. Off by default."""
     folder = os.environ.get("YOLOV9_QAT_AMAX_DUMP")
     if not folder:
         return
@@ -105,13 +107,15 @@ def finetune_stage(qmodel: nn.Module, fp_model: nn.Module, info: QuantInfo, data
     from utils.qat.quantize.model_quant import fused_copy
     from utils.qat.quantize.finetune import finetune
     labels = needs_labels(config.objective)
-    loader, _ = dataloader(data, "train", imgsz, batch_size // world_size, int(fp_model.stride.max()),
-                           workers=workers, rect=False, shuffle=True, hyp=hyp, prefix="QAT: ", local_rank=local_rank,
-                           masks=labels and task == "segment", seed=seed)
-    teacher = fused_copy(fp_model, device)  # folded where the student was (model_quant.fused_copy says why)
-    return finetune(qmodel, teacher, lambda: (labelled if labels else images_only)(loader, device), config,
-                    device=device, hyp=hyp, on_epoch_start=loader.sampler.set_epoch if local_rank >= 0 else None,
-                    on_epoch_end=on_epoch_end, until=until, scale_groups=info.scale_groups)
+    # its own seconds: the loader and teacher made, and what runs between the epochs' steps, scoring and saving
+    with timing.timed("fine-tuning set-up"):
+        loader, _ = dataloader(data, "train", imgsz, batch_size // world_size, int(fp_model.stride.max()),
+                               workers=workers, rect=False, shuffle=True, hyp=hyp, prefix="QAT: ",
+                               local_rank=local_rank, masks=labels and task == "segment", seed=seed)
+        teacher = fused_copy(fp_model, device)  # folded where the student was (model_quant.fused_copy says why)
+        return finetune(qmodel, teacher, lambda: (labelled if labels else images_only)(loader, device), config,
+                        device=device, hyp=hyp, on_epoch_start=loader.sampler.set_epoch if local_rank >= 0 else None,
+                        on_epoch_end=on_epoch_end, until=until, scale_groups=info.scale_groups)
 
 
 def qat(fp_model: nn.Module, data: dict, quant: QuantConfig, config: QATConfig | None, *, imgsz: int,
@@ -134,7 +138,8 @@ def qat(fp_model: nn.Module, data: dict, quant: QuantConfig, config: QATConfig |
     if config is not None:
         finetune_stage(qmodel, fp_model, info, data, config, imgsz=imgsz, batch_size=batch_size, device=device,
                        hyp=hyp, workers=workers, task=task, world_size=world_size, local_rank=local_rank, seed=seed,
-                       on_epoch_end=(lambda result: recorder.epoch_end(qmodel, info, result)) if recorder else None)
+                       on_epoch_end=(lambda result: recorder.epoch_end(qmodel, info, result)) if recorder else None,
+                       until=lambda: recorder.until() if recorder else distributed.broadcast_object(False))  # diverged
     if recorder:
         recorder.finish()
     return qmodel, info

@@ -142,8 +142,13 @@ def deltas(rows: list[dict], reference: str = "Origin") -> list[dict]:
     return out
 
 
-def comparison_markdown(rows: list[dict], title: str, selection: dict | None = None, budget: dict | None = None) -> str:
-    parts = [f"# {title}", "", "## Evaluation results", "", table(rows) if rows else NOTHING_EVALUATED]
+def comparison_markdown(rows: list[dict], title: str, selection: dict | None = None, budget: dict | None = None,
+                        stopped: dict | None = None) -> str:
+    """report.md; ``stopped``: report.json's ``finetuning_stopped`` (fine-tuning diverged: its sentence comes first)."""
+    parts = [f"# {title}"]
+    if stopped:
+        parts += ["", "## Fine-tuning diverged", "", stopped["sentence"][:1].upper() + stopped["sentence"][1:]]
+    parts += ["", "## Evaluation results", "", table(rows) if rows else NOTHING_EVALUATED]
     diff = deltas(rows)
     if diff:
         parts += ["", "## Evaluation comparison", "", table(diff, first="Comparison")]
@@ -258,7 +263,8 @@ def write_report(run_dir: Path, rows: list[dict], epochs: list[dict], title: str
     (e.g. world_size, calibration_seconds, ``selection``) goes into report.json beside the models and epochs."""
     run_dir = Path(run_dir)
     write_text(run_dir / "report.json", json.dumps({"title": title, **meta, "models": rows, "epochs": epochs}, indent=2))
-    write_text(run_dir / "report.md", comparison_markdown(rows, title, meta.get("selection"), meta.get("budget")))
+    write_text(run_dir / "report.md", comparison_markdown(rows, title, meta.get("selection"), meta.get("budget"),
+                                                          meta.get("finetuning_stopped")))
     if epochs:
         plot_epochs(run_dir / "qat_ap.png", epochs, rows)
 

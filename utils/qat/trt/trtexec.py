@@ -99,7 +99,9 @@ def precision_flags(version: str | Sequence[int], *, int8: bool = True, fp16: bo
     if strongly_typed:
         if major < 10:
             raise QATError(f"trtexec of TensorRT {major}.x has no --stronglyTyped; build weakly typed (drop "
-                           f"--strongly-typed) or install TensorRT 10+ with {INSTALL_TENSORRT}.")
+                           f"--strongly-typed), or strongly typed with TensorRT 10+ through its Python API "
+                           f"(python3 scripts/build_engine.py ONNX ENGINE, after {INSTALL_TENSORRT}: the pip wheels "
+                           f"bring no trtexec).")
         return ["--stronglyTyped"]
     return (["--fp16"] if fp16 else []) + (["--int8"] if int8 else [])
 
