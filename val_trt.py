@@ -5,7 +5,10 @@
     python3 val_trt.py --onnx runs/qat/exp/weights/qat_best.onnx --backend openvino --data data/coco.yaml
 
 An ONNX graph runs on ONNX Runtime (the default) or OpenVINO (CPU; ./install_dependencies.sh --openvino), which
-runs the Q/DQ convolutions with INT8 kernels and the rest in FP32.
+runs the Q/DQ convolutions with INT8 kernels and the rest in FP32. On ONNX Runtime a Q/DQ graph is scored in the
+arithmetic qat.py scores its checkpoint with (--ort-arithmetic integer: exact integer convolutions, the SiLU rounded
+once), so a graph and its checkpoint score alike; --ort-arithmetic float scores the file as a plain ONNX Runtime
+session runs it (float32 convolutions of the dequantized values).
 
 Same dataloader, NMS and metrics as `qat.py eval` and upstream val.py, so the numbers compare directly
 with the PyTorch checkpoint the export came from. Plain exports (output0) and End2End exports (num_dets,
@@ -41,6 +44,9 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=BACKENDS, default=None,
                    help="tensorrt (default with --engine-file); onnxruntime (default with --onnx) or openvino (CPU) "
                         "for --onnx")
+    p.add_argument("--ort-arithmetic", choices=("integer", "float", "basic"), default="integer",
+                   help="how ONNX Runtime computes a Q/DQ graph: integer (default; as qat.py scores the checkpoint), "
+                        "float (the file as ONNX Runtime runs it itself) or basic (its basic rewrites only)")
     p.add_argument("--data", default=None, help="dataset yaml (default: data/coco.yaml of the YOLOv9 tree, as upstream)")
     p.add_argument("--batch-size", type=int, default=32, help="batch size (a static engine/graph uses its own)")
     p.add_argument("--imgsz", "--img", "--img-size", dest="imgsz", type=int, default=640,
@@ -78,7 +84,8 @@ def open_source(args: argparse.Namespace):
         raise QATError(f"--backend {backend} runs ONNX graphs, not TensorRT engines: pass --onnx X.onnx.")
     if backend != "tensorrt" and source.suffix.lower() != ".onnx" and source.is_file():
         raise QATError(f"{source} is not an .onnx file; export one with export_qat.py --include onnx.")
-    return open_backend(source, args.device, kind=backend, plugins=args.plugins), source
+    return open_backend(source, args.device, kind=backend, plugins=args.plugins,
+                        ort_arithmetic=args.ort_arithmetic), source
 
 
 def main(args: argparse.Namespace) -> dict:

@@ -11,18 +11,27 @@ Exports each checkpoint as ``export_qat.py --dynamic`` does (or scores ``--graph
 gpu         the checkpoint in PyTorch on the first GPU, as qat.py evaluates it (integer convolutions, float32 elsewhere)
 cpu         the checkpoint in PyTorch on the CPU, every thread this process has
 cpu1        the checkpoint in PyTorch on the CPU, one thread
-ort         its graph on ONNX Runtime (default optimizations: Q/DQ fused into integer kernels)
+ort         its graph on ONNX Runtime in integer arithmetic, as val_trt.py scores it (integer convolutions, a SiLU
+            rounded once: utils/qat/onnx/integer_graph.py)
 openvino    its graph on OpenVINO, floating point in f32 (refused on CPUs whose INT8 convolutions saturate)
+ort-float   its graph as ONNX Runtime runs the file itself (float32 convolutions of the dequantized values)
 ort-basic   its graph on ONNX Runtime with its basic rewrites only (each operator as ONNX defines it)
 ==========  ===============================================================================================
 
 For each checkpoint the table gives every score, each one's difference from the reference arithmetic (``--reference``,
 by default the first of gpu, cpu, cpu1, ort, openvino that was scored) with its 95% paired-bootstrap interval over the
 images, how many images came out with the same detections as the reference's, and the spread (largest minus smallest
-score). Scores are kept per arithmetic, image by image (``OUT/LABEL-images/``), so a set begun on a GPU machine can be
-finished on another: run again with the same ``--out`` and ``--label`` and the other ``--arithmetics``, and the rows
-of the checkpoints already there (the same file, by its SHA-256) keep the scores they have. Why the arithmetics part at
-all: docs/RESULTS.md "One model, one score". Writes OUT/LABEL.json, OUT/LABEL.md and the graphs in OUT/LABEL-graphs/.
+score of gpu, cpu, cpu1, ort and openvino: where the checkpoint is scored, and the graph as val_trt.py and OpenVINO
+score it; ort-float and ort-basic, ONNX Runtime's float path for a Q/DQ convolution, are shown beside). Scores are
+kept per arithmetic, image by image (``OUT/LABEL-images/``), so a set begun on a GPU machine can be finished on
+another: run again with the same ``--out`` and ``--label`` and the other ``--arithmetics``, and the rows of the
+checkpoints already there (the same file, by its SHA-256) keep the scores they have. Why the arithmetics part at all:
+docs/RESULTS.md "One model, one score". Writes OUT/LABEL.json, OUT/LABEL.md and the graphs in OUT/LABEL-graphs/.
+
+How far can an arithmetic's rounding alone move the score? ``--silu-ulp-draws N`` scores each checkpoint N more
+times in PyTorch (on the GPU where there is one), each time with every SiLU one float32 step off on a random half of
+its outputs (seeds 1..N): a runtime whose sigmoid rounds its own way, as OpenVINO's does. The range of those scores
+is the part of a difference between runtimes that says nothing about the model.
 """
 from __future__ import annotations
 
@@ -52,8 +61,10 @@ ARITHMETICS = {
     "cpu1": "PyTorch, CPU, 1 thread",
     "ort": "ONNX Runtime",
     "openvino": "OpenVINO",
+    "ort-float": "ONNX Runtime, float",
     "ort-basic": "ONNX Runtime, basic",
 }
+ORT_ARITHMETIC = {"ort": "integer", "ort-float": "float", "ort-basic": "basic"}  # ORTBackend's arithmetic of each
 DEPLOYED = ("gpu", "cpu", "cpu1", "ort", "openvino")  # the arithmetics users score or ship with, in reference order
 
 
@@ -64,8 +75,8 @@ def get_args_parser() -> argparse.ArgumentParser:
                    help="their exported graphs, in the same order (default: export each into OUT/LABEL-graphs/, or "
                         "reuse the one a run before exported there)")
     p.add_argument("--arithmetics", nargs="+", default=["auto"], choices=["auto", *ARITHMETICS],
-                   help="where each checkpoint is scored (default auto: gpu where there is one, cpu, cpu1, ort, and "
-                        "openvino where it is installed and computes INT8 exactly on this CPU)")
+                   help="where each checkpoint is scored (default auto: gpu where there is one, cpu, cpu1, ort, "
+                        "openvino where it is installed and computes INT8 exactly on this CPU, and ort-float)")
     p.add_argument("--reference", choices=DEPLOYED, default=None,
                    help="the arithmetic the others are compared with (default: the first of "
                         f"{', '.join(DEPLOYED)} that was scored)")
@@ -77,6 +88,9 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=4, help="dataloader workers")
     p.add_argument("--conf-tol", type=float, default=1e-3,
                    help="confidences this close count as the same detection (default %(default)s)")
+    p.add_argument("--silu-ulp-draws", type=int, default=0,
+                   help="also score each checkpoint N times with its SiLUs one float32 step off on a random half of "
+                        "their outputs (seeds 1..N; default 0: not at all)")
     p.add_argument("--out", required=True, type=Path, help="folder of LABEL.json, LABEL.md and the per-image scores")
     p.add_argument("--label", default="one-score", help="name of the result files (default: %(default)s)")
     return p
@@ -102,7 +116,8 @@ def available(requested: list[str]) -> list[str]:
     import torch
     openvino = _openvino_exact()
     if requested == ["auto"]:
-        return [a for a in DEPLOYED if (a != "gpu" or torch.cuda.is_available()) and (a != "openvino" or openvino)]
+        deployed = [a for a in DEPLOYED if (a != "gpu" or torch.cuda.is_available()) and (a != "openvino" or openvino)]
+        return [*deployed, "ort-float"]
     if "auto" in requested:
         raise QATError("--arithmetics auto stands alone; name the arithmetics, or give auto only.")
     if "gpu" in requested and not torch.cuda.is_available():
@@ -143,10 +158,8 @@ def _backend(arithmetic: str, weights: Path, graph: Path, task: str):
 
     from utils.qat.evaluation.backends import OpenVINOBackend, ORTBackend, TorchBackend
     from utils.qat.model import checkpoint
-    if arithmetic == "ort":
-        return ORTBackend(graph), None
-    if arithmetic == "ort-basic":
-        return ORTBackend(graph, optimize=False), None
+    if arithmetic in ("ort", "ort-float", "ort-basic"):
+        return ORTBackend(graph, arithmetic=ORT_ARITHMETIC[arithmetic]), None
     if arithmetic == "openvino":
         return OpenVINOBackend(graph), None
     model = checkpoint.load_quantized(weights, task=task)[0]
@@ -176,6 +189,26 @@ def score(arithmetic: str, weights: Path, graph: Path, task: str, data: dict, ar
         where = f"{cpu['model']}, {used if arithmetic in ('cpu', 'cpu1') else cpu['cpus']} threads"
     return {"AP": round(m.mAP50_95, 4), "AP50": round(m.mAP50, 4), "images": m.images, "where": where,
             "seconds": round(seconds, 1), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+def ulp_draws(weights: Path, task: str, data: dict, args: argparse.Namespace) -> dict:
+    """The checkpoint scored ``--silu-ulp-draws`` times, each with its SiLUs one step off on a random half of their
+    outputs (seeds 1..N), in PyTorch on the GPU where there is one, else on the CPU."""
+    import torch
+
+    from utils.qat.evaluation.backends import TorchBackend
+    from utils.qat.evaluation.evaluate import evaluate
+    from utils.qat.model import checkpoint
+    on = "gpu" if torch.cuda.is_available() else "cpu"
+    model = checkpoint.load_quantized(weights, task=task)[0]
+    device = torch.device("cuda:0" if on == "gpu" else "cpu")
+    scores = []
+    for seed in range(1, args.silu_ulp_draws + 1):
+        m = evaluate(TorchBackend(model, device, task=task, silu_ulp_seed=seed), data, task=task, imgsz=args.imgsz,
+                     batch_size=args.batch_size, workers=args.workers, num_images=args.num_image,
+                     desc=f"{weights.name}: SiLU one step off, draw {seed}")
+        scores.append(round(m.mAP50_95, 4))
+    return {"on": on, "AP": scores}
 
 
 def compare(row: dict, images: Path, reference: str | None, tol: float) -> None:
@@ -223,6 +256,12 @@ def render(doc: dict) -> str:
             same = "" if vs is None else f"{vs['same_detections']} / {s['images']}"
             lines.append(f"| {ARITHMETICS[a]} | {s['AP']:.4f} | {diff} | {same} | {s['where']}, {s['date']} |")
         lines.append("")
+        if r.get("silu_ulp"):
+            draws, ref = r["silu_ulp"]["AP"], r["scores"][r["reference"]]["AP"]
+            lines += [f"With every SiLU one float32 step off on a random half of its outputs ({len(draws)} draws, "
+                      f"{ARITHMETICS[r['silu_ulp']['on']]}): mAP50-95 {min(draws):.4f} to {max(draws):.4f}, "
+                      f"{min(draws) - ref:+.4f} to {max(draws) - ref:+.4f} from the reference "
+                      f"({', '.join(f'{d:.4f}' for d in draws)}).", ""]
     return "\n".join(lines)
 
 
@@ -271,6 +310,8 @@ def main(args: argparse.Namespace) -> dict:
         del model
         for a in arithmetics:
             row["scores"][a] = score(a, w, graph, task, data, args, images)
+        if args.silu_ulp_draws:
+            row["silu_ulp"] = ulp_draws(w, task, data, args)
         compare(row, images, args.reference, args.conf_tol)
         doc["rows"] = list(rows.values())  # the rows of checkpoints not named this time stay as they were
         write_text(doc_path, portable.text(json.dumps(doc, indent=2), work=args.out))

@@ -190,7 +190,7 @@ def score(graphs: dict[str, Path], args: argparse.Namespace, data: dict) -> dict
     out: dict = {}
     for precision, path in graphs.items():
         for runtime in args.runtime:
-            backend = OpenVINOBackend(path) if runtime == "openvino" else ORTBackend(path)
+            backend = OpenVINOBackend(path) if runtime == "openvino" else ORTBackend(path, arithmetic="float")
             start = time.time()
             m = evaluate(backend, data, task=backend.task, imgsz=args.imgsz, batch_size=args.batch_size,
                          workers=args.workers, num_images=args.num_image,

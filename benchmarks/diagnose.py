@@ -7,15 +7,18 @@ code is benchmarks/parts/NAME.py, and `diagnose.py SUBCOMMAND --help` gives its 
                  and mixed graphs (some convolutions left in floating point) timed
   ptq-spread     how much of a PTQ figure is the setting and how much the draw: `qat.py quantize` reports
                  tabulated side by side per model and setting
+  silu-probe     where a runtime's arithmetic parts from qat.py's: one quantized convolution and its SiLU on ONNX
+                 Runtime (integer and float) and OpenVINO, compared element by element with the exact result
 
 calib-sample and ov-profile run from the top of a patched YOLOv9 tree (they use its utils/qat); ptq-spread runs
-anywhere (it reads report.json files with this checkout's library):
+and silu-probe run anywhere (this checkout's library):
 
     python3 /path/to/yolov9-qat/benchmarks/diagnose.py calib-sample --weights yolov9-t-coco.pt --data coco.yaml \\
         --sample 4096 16384 65536 --out runs/calib-sample --label yolov9-t-2core
     python3 /path/to/yolov9-qat/benchmarks/diagnose.py ov-profile --fp yolov9-t.onnx --int8 ptq_yolov9-t.onnx \\
         --out runs/ov-profile --label yolov9-t-16core
     python3 benchmarks/diagnose.py ptq-spread runs/sweep/*/report.json --out runs/ptq-spread --label ptq-spread
+    python3 benchmarks/diagnose.py silu-probe --out runs/silu-probe --label amd-epyc
 """
 from __future__ import annotations
 
@@ -25,7 +28,8 @@ import sys
 from pathlib import Path
 
 #: subcommand -> its module in benchmarks/parts/
-SUBCOMMANDS = {"calib-sample": "calib_sample", "ov-profile": "ov_profile", "ptq-spread": "ptq_spread"}
+SUBCOMMANDS = {"calib-sample": "calib_sample", "ov-profile": "ov_profile", "ptq-spread": "ptq_spread",
+               "silu-probe": "silu_probe"}
 
 
 def get_args_parser() -> argparse.ArgumentParser:

@@ -275,7 +275,7 @@ def score(graph: Path, runtime: str, data: dict, args: argparse.Namespace):
     from utils.qat.evaluation.evaluate import evaluate
     if graph.suffix == ".xml" and runtime != "openvino":
         return "an OpenVINO IR: OpenVINO only"
-    backend = OpenVINOBackend(graph) if runtime == "openvino" else ORTBackend(graph)
+    backend = OpenVINOBackend(graph) if runtime == "openvino" else ORTBackend(graph, arithmetic="float")
     if getattr(backend, "inexact", False):
         return "OpenVINO does not compute INT8 as written on this CPU"
     return evaluate(backend, data, task="detect", imgsz=args.imgsz, batch_size=args.batch_size,

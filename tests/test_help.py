@@ -56,7 +56,7 @@ def helps(yolov9_tree) -> dict[tuple[str, ...], subprocess.CompletedProcess]:
 COMMANDS = ([(c,) for c in (*TREE_CLIS, *BENCHMARKS, *SHELL)] + list(EXTRA)
             + [("qat.py", s) for s in ("quantize", "sensitive", "eval")]
             + [("segment/qat_seg.py", s) for s in ("quantize", "sensitive", "eval")]
-            + [("benchmarks/diagnose.py", s) for s in ("calib-sample", "ov-profile", "ptq-spread")]
+            + [("benchmarks/diagnose.py", s) for s in ("calib-sample", "ov-profile", "ptq-spread", "silu-probe")]
             + [("scripts/trtexec_cli.py", s) for s in ("build", "find", "check", "parse")])
 
 

@@ -85,3 +85,22 @@ def test_integer_sums_are_exact_and_wide_where_float32_could_round():
             reference = torch.nn.functional.conv2d(codes.double(), conv.weight_codes.double(), padding=1)
             expected = reference.float() * (qdq.qdq_scale(qnet[0].input_quantizer.amax) * conv.weight_scale)
             assert torch.equal(conv(x), expected + conv.bias)
+
+
+def test_exact_silu_rounds_once_and_the_jitter_is_one_step_on_half():
+    """ExactSiLU is ``x * float32(sigmoid64(x))``; with a UlpJitter (measurement only) a random half of the sigmoids
+    moves one float32 step, up or down alike, and the same seed draws the same steps again."""
+    from utils.qat.quantize.integer_conv import ExactSiLU, UlpJitter
+    x = torch.linspace(-20, 20, 100_001)
+    exact = ExactSiLU()(x)
+    sigmoid = (1 / (1 + torch.exp(-x.double()))).float()
+    assert torch.equal(exact, x * sigmoid)
+    assert torch.allclose(exact, torch.nn.functional.silu(x), rtol=1e-6, atol=1e-7)
+    jittered = UlpJitter(3)(sigmoid)
+    assert torch.equal(jittered, UlpJitter(3)(sigmoid)) and not torch.equal(jittered, UlpJitter(4)(sigmoid))
+    moved = jittered != sigmoid
+    steps = (jittered.double() - sigmoid.double())[moved]
+    up, down = torch.nextafter(sigmoid, torch.tensor(2.0)), torch.nextafter(sigmoid, torch.tensor(0.0))
+    assert torch.all((jittered[moved] == up[moved]) | (jittered[moved] == down[moved]))
+    assert 0.47 < moved.float().mean() < 0.53 and 0.45 < (steps > 0).float().mean() < 0.55
+    assert torch.equal(ExactSiLU(UlpJitter(3))(x), x * jittered)

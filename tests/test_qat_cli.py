@@ -233,6 +233,32 @@ def test_eval_reproduces_report(yolov9_tree, shapes, quantize_run, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.e2e
+def test_graph_scores_as_its_checkpoint(yolov9_tree, shapes, quantize_run, tmp_path):
+    """The run's QAT checkpoint exported (export_qat.py) and scored on ONNX Runtime by val_trt.py, which computes a
+    Q/DQ graph in the checkpoint's arithmetic (integer convolutions, a SiLU rounded once): the figures the run
+    recorded, to the last digit; run as the file is (--ort-arithmetic float) it is scored too, in ONNX Runtime's own
+    float convolutions."""
+    run, _ = quantize_run
+    report = json.loads((run / "report.json").read_text())
+    qat = next(m for m in report["models"] if m["name"] == "QAT")
+    best = tmp_path / "qat_best.pt"
+    best.write_bytes((run / "weights" / "qat_best_gelan-qs-shapes.pt").read_bytes())
+    r = run_tool(yolov9_tree, "export_qat.py", "--weights", str(best), "--include", "onnx", "--dynamic",
+                 "--imgsz", IMGSZ)
+    assert r.returncode == 0, r.stderr[-3000:]
+    common = ["--onnx", str(best.with_suffix(".onnx")), "--data", str(shapes), "--imgsz", IMGSZ, "--batch-size", "8",
+              "--device", "cpu", "--workers", "2", "--project", str(tmp_path)]
+    r = run_tool(yolov9_tree, "val_trt.py", *common, "--name", "integer")
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads((tmp_path / "integer" / "results.json").read_text())
+    assert (got["AP"], got["AP50"]) == (qat["AP"], qat["AP50"]), (got, qat)
+    r = run_tool(yolov9_tree, "val_trt.py", *common, "--name", "float", "--ort-arithmetic", "float")
+    assert r.returncode == 0, r.stderr[-3000:]  # the file as ONNX Runtime runs it: scored, in its own arithmetic
+    assert json.loads((tmp_path / "float" / "results.json").read_text())["images"] == got["images"]
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_eval_fp_needs_allow_fp(yolov9_tree, shapes, tmp_path):
     args = ["qat.py", "eval", "--weights", str(QS), "--data", str(shapes), "--device", "cpu", "--imgsz", IMGSZ,
             "--project", str(tmp_path), "--workers", "2"]

@@ -92,6 +92,8 @@ FLAGS: dict[str, Range] = {
     "--confidence": Range(0.5, 1, high_open=True, hint="0.5 decides on the held-out figures alone; e.g. 0.9"),
     # ONNX export (INT8 per-channel Q/DQ needs opset 13; torch's TorchScript exporter stops at 20)
     "--opset": Range(13, 20, hint="e.g. 17"),
+    # benchmarks/ckpt_vs_graph.py
+    "--silu-ulp-draws": Range(0, 100, hint="e.g. 10"),
     # reparameterization.py
     "--classes_num": Range(1),
     # TensorRT engines and benchmarks (scripts/trtexec_cli.py build, scripts/benchmark_trt.py)

@@ -54,16 +54,18 @@ class TorchBackend:
     """A PyTorch model (FP or fake-quant). ``task="segment"`` returns ``(pred, protos)``. A fake-quant
     model is evaluated as INT8 runtimes compute it: a copy whose quantized convolutions sum integer codes exactly
     (``utils.qat.quantize.integer_conv``), so that its score depends neither on the device's kernels nor on the thread
-    count, in full float32 elsewhere (``utils.qat.quantize.qdq.full_fp32``: no TF32)."""
+    count, in full float32 elsewhere (``utils.qat.quantize.qdq.full_fp32``: no TF32). ``silu_ulp_seed``: for
+    measurement only, its SiLUs one step off on a random half of their outputs (``integer_conv.UlpJitter``)."""
 
     runtime = "PyTorch"
 
-    def __init__(self, model: nn.Module, device: torch.device, task: str = "detect"):
+    def __init__(self, model: nn.Module, device: torch.device, task: str = "detect", *,
+                 silu_ulp_seed: int | None = None):
         qnn = sys.modules.get("modelopt.torch.quantization.nn")  # a fake-quant model has imported it
         self.quantized = qnn is not None and any(isinstance(m, qnn.TensorQuantizer) for m in model.modules())
         if self.quantized:
             from utils.qat.quantize.integer_conv import integer_form
-            model = integer_form(model)
+            model = integer_form(model, silu_ulp_seed)
         self.model = model.to(device).eval()
         self.device = device
         self.stride = yolov9.model_stride(model)
@@ -127,19 +129,32 @@ def _missing_onnx(path: Path) -> QATError:
     return QATError(f"ONNX file not found: {path}; export one with export_qat.py first.")
 
 
+#: How ORTBackend computes a Q/DQ graph (``arithmetic``).
+ORT_ARITHMETICS = {
+    "integer": "integer convolutions and a once-rounded SiLU, as qat.py scores the checkpoint "
+               "(utils/qat/onnx/integer_graph.py)",
+    "float": "the file as ONNX Runtime runs it itself: float32 convolutions of the dequantized values",
+    "basic": "the file with ONNX Runtime's basic rewrites only: each operator as ONNX defines it",
+}
+
+
 class ORTBackend(_GraphBackend):
     """Runs an exported ONNX graph (plain or End2End) with ONNX Runtime. ``threads``: its intra-op threads
-    (None: ONNX Runtime's default, one per core). ``optimize=False`` keeps ONNX Runtime to its basic graph rewrites
-    (constant folding, no fused integer kernels): the graph computed as ONNX defines each operator."""
+    (None: ONNX Runtime's default, one per core). ``arithmetic`` (:data:`ORT_ARITHMETICS`): ``integer``, the
+    default, scores a Q/DQ graph in the arithmetic ``qat.py`` scores its checkpoint with, so that the two scores are
+    one (a graph without Q/DQ convolutions runs as it is); ``float`` runs the file as a plain ONNX Runtime session does
+    (what a speed figure measures); ``basic`` keeps ONNX Runtime to its basic rewrites."""
 
     runtime = "ONNX Runtime"
 
     def __init__(self, onnx_path: str | Path, device: torch.device | str = "cpu", *, threads: int | None = None,
-                 optimize: bool = True):
+                 arithmetic: str = "integer"):
         import onnxruntime as ort
         onnx_path = Path(onnx_path)
         if not onnx_path.is_file():
             raise _missing_onnx(onnx_path)
+        if arithmetic not in ORT_ARITHMETICS:
+            raise QATError(f"ONNX Runtime arithmetic {arithmetic!r} is not one of {', '.join(ORT_ARITHMETICS)}.")
         device = torch.device(device)
         providers: list = ["CPUExecutionProvider"]
         if device.type == "cuda":
@@ -148,13 +163,15 @@ class ORTBackend(_GraphBackend):
             providers.insert(0, ("CUDAExecutionProvider", {"device_id": device.index or 0}))
         opts = ort.SessionOptions()
         opts.log_severity_level = 3
-        if not optimize:
+        if arithmetic == "basic":
             opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
         if threads:
             opts.intra_op_num_threads = threads
             opts.inter_op_num_threads = 1
+        self.arithmetic = arithmetic
         try:
-            self.session = ort.InferenceSession(str(onnx_path), opts, providers=providers)
+            source = _integer_graph(onnx_path) if arithmetic == "integer" else str(onnx_path)
+            self.session = ort.InferenceSession(source, opts, providers=providers)
         except Exception as e:  # onnxruntime raises its own types for unreadable graphs
             raise QATError(f"ONNX Runtime cannot load {onnx_path} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
                            f"re-export it with export_qat.py (graphs with TensorRT plugins, e.g. --nms trt, run in "
@@ -167,6 +184,21 @@ class ORTBackend(_GraphBackend):
 
     def run(self, x: np.ndarray) -> list[np.ndarray]:
         return self.session.run(None, {self.input_name: x})
+
+
+def _integer_graph(onnx_path: Path) -> str | bytes:
+    """The graph at ``onnx_path`` rewritten into integer arithmetic (serialized), or its path where there is nothing
+    to rewrite (an FP graph, or one re-encoded for a CPU runtime, whose quantizers sit where that runtime fuses
+    them)."""
+    import onnx
+
+    from utils.qat.core.artifact import read_props
+    from utils.qat.onnx.avx2 import ENCODING_KEY
+    from utils.qat.onnx.integer_graph import integer_arithmetic
+    model = onnx.load(str(onnx_path))
+    if ENCODING_KEY in read_props(model) or not any(integer_arithmetic(model).values()):
+        return str(onnx_path)
+    return model.SerializeToString()
 
 
 #: What ``./install_dependencies.sh --openvino`` installs.
@@ -294,12 +326,14 @@ class OpenVINOBackend(_GraphBackend):
 
 
 def open_backend(path: str | PathLike, device: str = "", *, kind: str | None = None,
-                 plugins: Sequence[str | PathLike] = (), trust: bool = False) -> Backend:
+                 plugins: Sequence[str | PathLike] = (), trust: bool = False,
+                 ort_arithmetic: str = "integer") -> Backend:
     """The backend for a model file: ``kind`` 'torch' (a .pt checkpoint, quantized or FP), 'onnxruntime' or
     'openvino' (.onnx) or 'tensorrt' (.engine, with its ``plugins`` libraries); by default from the suffix
     (:data:`FORMATS`). ``device``: as ``--device`` takes it; '' is the first GPU (TensorRT, PyTorch) or the CPU
     (ONNX Runtime, OpenVINO).
-    ``trust``: read a .pt with the full pickle (``utils.qat.model.checkpoint.read``)."""
+    ``trust``: read a .pt with the full pickle (``utils.qat.model.checkpoint.read``). ``ort_arithmetic``: how ONNX
+    Runtime computes a Q/DQ graph (:data:`ORT_ARITHMETICS`)."""
     path = Path(path)
     kind = kind or FORMATS.get(path.suffix.lower())
     if kind not in RUNTIMES:
@@ -315,7 +349,7 @@ def open_backend(path: str | PathLike, device: str = "", *, kind: str | None = N
         return TRTBackend(path, f"cuda:{spec}" if spec.isdigit() else spec, plugins=plugins)
     from utils.qat.core.device import select_device
     if kind == "onnxruntime":
-        return ORTBackend(path, select_device(device) if device else torch.device("cpu"))
+        return ORTBackend(path, select_device(device) if device else torch.device("cpu"), arithmetic=ort_arithmetic)
     if kind == "openvino":
         return OpenVINOBackend(path, select_device(device) if device else torch.device("cpu"))
     from utils.qat.model import checkpoint

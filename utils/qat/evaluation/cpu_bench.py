@@ -109,7 +109,7 @@ def open_graph(runtime: str, path: str | os.PathLike, *, batch: int, imgsz: int,
         return OpenVINOBackend(path, threads=threads, shape=(batch, 3, imgsz, imgsz), profile=profile,
                                precision=precision)
     if runtime == "onnxruntime":
-        backend = ORTBackend(path, threads=threads)
+        backend = ORTBackend(path, threads=threads, arithmetic="float")  # the file as it is deployed
         fixed = (backend.batch_size, *(backend.imgsz or ()))
         want = (batch, imgsz, imgsz)
         if any(f is not None and f != w for f, w in zip(fixed, want)):

@@ -78,13 +78,27 @@ class QuantRepNBottleneck(common.RepNBottleneck):
         return self.residual_input_quantizer(x) + self.branch_input_quantizer(y)
 
 
+def quantized_avg_pool(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """ADown's and AConv's 2x2 average pool over their quantized input. With ``module.integer_pool`` set (by
+    ``utils.qat.quantize.integer_conv.integer_form``, for scoring) it averages the integer codes, exactly, and scales
+    once after, as an INT8 runtime does: the average of four float products otherwise rounds by its summation order."""
+    quantizer = module.avgpool_input_quantizer
+    x = quantizer(x)
+    if not (getattr(module, "integer_pool", False) and quantizer.is_enabled and quantizer.amax is not None
+            and quantizer.amax.numel() == 1):
+        return F.avg_pool2d(x, 2, 1, 0, False, True)
+    from utils.qat.quantize.qdq import qdq_scale
+    scale = qdq_scale(quantizer.amax)
+    return F.avg_pool2d(torch.round(x.float() / scale), 2, 1, 0, False, True) * scale
+
+
 class QuantADown(common.ADown):
     def _setup(self):
         self.avgpool_input_quantizer = TensorQuantizer()
         self.maxpool_input_quantizer = TensorQuantizer()
 
     def forward(self, x):
-        x = F.avg_pool2d(self.avgpool_input_quantizer(x), 2, 1, 0, False, True)
+        x = quantized_avg_pool(self, x)
         x1, x2 = x.chunk(2, 1)
         x1 = self.cv1(x1)
         x2 = self.cv2(F.max_pool2d(self.maxpool_input_quantizer(x2), 3, 2, 1))
@@ -96,7 +110,7 @@ class QuantAConv(common.AConv):
         self.avgpool_input_quantizer = TensorQuantizer()
 
     def forward(self, x):
-        return self.cv1(F.avg_pool2d(self.avgpool_input_quantizer(x), 2, 1, 0, False, True))
+        return self.cv1(quantized_avg_pool(self, x))
 
 
 class QuantUpsample(nn.Upsample):
