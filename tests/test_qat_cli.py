@@ -254,7 +254,8 @@ def test_graph_scores_as_its_checkpoint(yolov9_tree, shapes, quantize_run, tmp_p
     assert (got["AP"], got["AP50"]) == (qat["AP"], qat["AP50"]), (got, qat)
     r = run_tool(yolov9_tree, "val_trt.py", *common, "--name", "float", "--ort-arithmetic", "float")
     assert r.returncode == 0, r.stderr[-3000:]  # the file as ONNX Runtime runs it: scored, in its own arithmetic
-    assert json.loads((tmp_path / "float" / "results.json").read_text())["images"] == got["images"]
+    plain = json.loads((tmp_path / "float" / "results.json").read_text())
+    assert plain["images"] == got["images"] and abs(plain["AP"] - got["AP"]) < 0.05, (plain, got)
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
 """A Q/DQ graph rewritten so that ONNX Runtime computes it in the arithmetic ``qat.py`` scores a quantized model with.
 
-    counts = integer_arithmetic(model)   # in place; {"convolutions": n, "silu": m}
+    counts = integer_arithmetic(model)   # in place; {"convolutions": n, "pools": p, "silu": m}
 
 ONNX Runtime runs the graph ``export_qat.py`` writes with each quantized convolution in float32 over the dequantized
 values (its integer kernel, QLinearConv, needs a QuantizeLinear right after the convolution, and the SiLU stands in
