@@ -37,10 +37,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, os.getcwd())
@@ -152,29 +154,28 @@ def _threads(n: int | None):
         torch.set_num_threads(saved)
 
 
-def _backend(arithmetic: str, weights: Path, graph: Path, task: str):
-    """The evaluator's backend for one arithmetic, and the intra-op threads it runs with (None: the default)."""
+def _backend(arithmetic: str, model: Callable, graph: Path, task: str):
+    """The evaluator's backend for one arithmetic, and the intra-op threads it runs with (None: the default).
+    ``model()``: the quantized checkpoint, loaded at the first call."""
     import torch
 
     from utils.qat.evaluation.backends import OpenVINOBackend, ORTBackend, TorchBackend
-    from utils.qat.model import checkpoint
     if arithmetic in ("ort", "ort-float", "ort-basic"):
         return ORTBackend(graph, arithmetic=ORT_ARITHMETIC[arithmetic]), None
     if arithmetic == "openvino":
         return OpenVINOBackend(graph), None
-    model = checkpoint.load_quantized(weights, task=task)[0]
     if arithmetic == "gpu":
-        return TorchBackend(model, torch.device("cuda:0"), task=task), None
-    return TorchBackend(model, torch.device("cpu"), task=task), 1 if arithmetic == "cpu1" else None
+        return TorchBackend(model(), torch.device("cuda:0"), task=task), None
+    return TorchBackend(model(), torch.device("cpu"), task=task), 1 if arithmetic == "cpu1" else None
 
 
-def score(arithmetic: str, weights: Path, graph: Path, task: str, data: dict, args: argparse.Namespace,
-          images: Path) -> dict:
+def score(arithmetic: str, weights: Path, model: Callable, graph: Path, task: str, data: dict,
+          args: argparse.Namespace, images: Path) -> dict:
     """Scores one checkpoint in one arithmetic; keeps its per-image statistics in ``images`` and returns its entry."""
     from utils.qat.evaluation.cpu_bench import cpu_info
     from utils.qat.evaluation.evaluate import evaluate
     from utils.qat.evaluation.resample import save_images
-    backend, threads = _backend(arithmetic, weights, graph, task)
+    backend, threads = _backend(arithmetic, model, graph, task)
     with _threads(threads) as used:
         start = time.time()
         m = evaluate(backend, data, task=task, imgsz=args.imgsz, batch_size=args.batch_size, workers=args.workers,
@@ -191,20 +192,18 @@ def score(arithmetic: str, weights: Path, graph: Path, task: str, data: dict, ar
             "seconds": round(seconds, 1), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
 
-def ulp_draws(weights: Path, task: str, data: dict, args: argparse.Namespace) -> dict:
+def ulp_draws(weights: Path, model: Callable, task: str, data: dict, args: argparse.Namespace) -> dict:
     """The checkpoint scored ``--silu-ulp-draws`` times, each with its SiLUs one step off on a random half of their
     outputs (seeds 1..N), in PyTorch on the GPU where there is one, else on the CPU."""
     import torch
 
     from utils.qat.evaluation.backends import TorchBackend
     from utils.qat.evaluation.evaluate import evaluate
-    from utils.qat.model import checkpoint
     on = "gpu" if torch.cuda.is_available() else "cpu"
-    model = checkpoint.load_quantized(weights, task=task)[0]
     device = torch.device("cuda:0" if on == "gpu" else "cpu")
     scores = []
     for seed in range(1, args.silu_ulp_draws + 1):
-        m = evaluate(TorchBackend(model, device, task=task, silu_ulp_seed=seed), data, task=task, imgsz=args.imgsz,
+        m = evaluate(TorchBackend(model(), device, task=task, silu_ulp_seed=seed), data, task=task, imgsz=args.imgsz,
                      batch_size=args.batch_size, workers=args.workers, num_images=args.num_image,
                      desc=f"{weights.name}: SiLU one step off, draw {seed}")
         scores.append(round(m.mAP50_95, 4))
@@ -308,10 +307,11 @@ def main(args: argparse.Namespace) -> dict:
             export_onnx(model, graph, imgsz=args.imgsz, dynamic=True, allow_fp=fp_patterns, task=task,
                         metadata={"source": w.name})
         del model
+        quantized = functools.cache(lambda w=w: checkpoint.load_quantized(w, task=task)[0])  # once per checkpoint
         for a in arithmetics:
-            row["scores"][a] = score(a, w, graph, task, data, args, images)
+            row["scores"][a] = score(a, w, quantized, graph, task, data, args, images)
         if args.silu_ulp_draws:
-            row["silu_ulp"] = ulp_draws(w, task, data, args)
+            row["silu_ulp"] = ulp_draws(w, quantized, task, data, args)
         compare(row, images, args.reference, args.conf_tol)
         doc["rows"] = list(rows.values())  # the rows of checkpoints not named this time stay as they were
         write_text(doc_path, portable.text(json.dumps(doc, indent=2), work=args.out))

@@ -68,19 +68,17 @@ def integer_arithmetic(model: onnx.ModelProto) -> dict[str, int]:
 def _quantized_conv(g: QDQGraph, conv: onnx.NodeProto) -> dict | None:
     """The parts of a convolution of a per-tensor quantized input (zero point 0) and int8 weights held in the graph
     (per output channel or per tensor, zero point 0); None for any other convolution."""
-    x_dq, w_dq = g.dq_of(conv.input[0]), g.dq_of(conv.input[1])
-    if x_dq is None or w_dq is None:
+    x, w_dq = _quantized_input(g, conv), g.dq_of(conv.input[1])
+    if x is None or w_dq is None:
         return None
-    x_q = g.source(x_dq.input[0])
+    x_q = g.source(x[0])
     if x_q is None or x_q.op_type != Q:
         return None
-    (sx, zx, _), (sq, zq, _) = g.qparams(x_dq), g.qparams(x_q)
+    (sq, zq, _), sx = g.qparams(x_q), g.value(x[1])
+    if sq is None or sq.tobytes() != sx.tobytes() or (zq is not None and (zq.dtype != np.int8 or zq.any())):
+        return None
     sw, zw, _ = g.qparams(w_dq)
     w = g.value(w_dq.input[0])
-    if sx is None or sx.size != 1 or sx.dtype != np.float32 or sq is None or sq.tobytes() != sx.tobytes():
-        return None
-    if any(z is not None and (z.dtype != np.int8 or z.any()) for z in (zx, zq)):
-        return None
     if w is None or w.dtype != np.int8 or w.ndim != 4 or sw is None or sw.dtype != np.float32 or \
             (zw is not None and zw.any()):
         return None
